@@ -1,0 +1,2054 @@
+/* kda.h - Kimi Delta Attention (KDA) kernels for any C program.  v0.1.0
+ *
+ * One header, pure C11, stb style. In exactly one C or C++ file:
+ *
+ *     #define KDA_IMPLEMENTATION
+ *     #include "kda.h"
+ *
+ * Everywhere else just #include "kda.h". Link with -lpthread -ldl -lm. No CUDA
+ * library is linked: the CUDA backend (when built) loads libcuda and libnvrtc at
+ * run time, so the same program runs on machines without a GPU, on the CPU.
+ *
+ * Minimal use (CPU, fp32, one sequence, no state):
+ *
+ *     kda_context *ctx;
+ *     kda_context_create(&ctx, KDA_BACKEND_CPU, NULL);
+ *     kda_problem p = kda_problem_default(B, T, H, K, V);   // HV = H, fp32, chunk 64
+ *     kda_inputs in = {0};  in.q = q; in.k = k; in.v = v; in.g = g; in.beta = beta;
+ *     kda_fwd_outputs out = {0};  out.o = o;
+ *     if (kda_chunk_fwd(ctx, &p, &in, &out) != KDA_OK)
+ *         fprintf(stderr, "%s\n", kda_last_error(ctx));
+ *     kda_context_destroy(ctx);
+ *
+ * What is computed (see the spec in the project's README): per sequence, value
+ * head hv (q/k head hv / (HV/H)) and token t, with state S [K,V] in fp32:
+ *     S <- Diag(exp(a_t)) S;  S <- S + b_t k_t (v_t - S^T k_t)^T;  o_t = S^T (scale q_t)
+ * where a_t is the per-key-channel log decay (g, or the gate applied to raw g),
+ * b_t is beta. The chunked path computes exactly this, chunk by chunk.
+ *
+ * Options (#define before the implementation include):
+ *     KDA_MALLOC(sz,user) / KDA_FREE(p,user)  default host allocator (also per context)
+ *     KDA_NO_THREADS                          build the CPU path single-threaded
+ *
+ * Environment: KDA_NUM_THREADS (CPU threads; default: all cores), KDA_LOG=1
+ * (log lines to stderr unless the context has a log callback).
+ *
+ * Thread safety: a context may be used by one thread at a time; use one context
+ * per thread for concurrent calls. Contexts share nothing.
+ *
+ * Tensor layouts: token-major and contiguous, exactly as FLA's chunk_kda:
+ *     q, k      [B,T,H,K]         v, o, do, dv   [B,T,HV,V]
+ *     g, dg     [B,T,HV,K]        beta, dbeta    [B,T,HV]
+ *     states    [N,HV,K,V] (KDA_STATE_KV) or [N,HV,V,K] (KDA_STATE_VK), fp32
+ *     A_log     [HV] fp32         dt_bias        [HV*K] fp32 (head-major)
+ * N is B, or the number of sequences with varlen (cu_seqlens has N+1 entries, B = 1).
+ * All pointers live in the backend's memory: host memory for the CPU backend,
+ * device memory for the CUDA backend.
+ *
+ * License: MIT (see LICENSE).
+ */
+#ifndef KDA_H
+#define KDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KDA_VERSION_MAJOR 0
+#define KDA_VERSION_MINOR 1
+#define KDA_VERSION_PATCH 0
+#define KDA_VERSION_STRING "0.1.0"
+
+#define KDA_MAX_HEAD_DIM 256  /* K and V are each 1..256 */
+
+/* ---------------------------------------------------------------------------
+ * Status codes. Every call returns one; kda_last_error(ctx) then says exactly
+ * what was wrong (which argument, which value, what was expected).
+ * A call that fails validation writes nothing to its outputs.
+ * ------------------------------------------------------------------------- */
+typedef enum kda_status {
+    KDA_OK = 0,
+    KDA_ERROR_INVALID_ARGUMENT = 1, /* a null/missing pointer, bad size, bad flag combination */
+    KDA_ERROR_UNSUPPORTED = 2,      /* backend or feature not available here */
+    KDA_ERROR_OUT_OF_MEMORY = 3,    /* allocation failed, or the workspace given is too small */
+    KDA_ERROR_BACKEND = 4,          /* a CUDA driver call failed (named in the message) */
+    KDA_ERROR_COMPILE = 5,          /* NVRTC failed (the message carries the full log) */
+    KDA_ERROR_INTERNAL = 6
+} kda_status;
+
+typedef enum kda_dtype { KDA_F32 = 0, KDA_F16 = 1, KDA_BF16 = 2 } kda_dtype;
+typedef enum kda_backend { KDA_BACKEND_CPU = 0, KDA_BACKEND_CUDA = 1 } kda_backend;
+
+/* How g is turned into the per-step log decay a (natural log, <= 0). */
+typedef enum kda_gate {
+    KDA_GATE_NONE = 0,        /* a = g as given (FLA use_gate_in_kernel=False) */
+    KDA_GATE_SOFTPLUS = 1,    /* a = -exp(A_log[hv]) * softplus(g + dt_bias); A_log required */
+    KDA_GATE_LOWER_BOUND = 2  /* a = lower_bound * sigmoid(c * (g + dt_bias)), c = exp(A_log[hv]) or 1 */
+} kda_gate;
+
+typedef enum kda_layout { KDA_STATE_KV = 0, KDA_STATE_VK = 1 } kda_layout;
+typedef enum kda_index_type { KDA_INDEX_I32 = 0, KDA_INDEX_I64 = 1 } kda_index_type;
+
+/* ---------------------------------------------------------------------------
+ * Context: chooses the backend, owns its allocator, logger, stream and
+ * workspace. Opaque.
+ * ------------------------------------------------------------------------- */
+typedef struct kda_context kda_context;
+
+typedef struct kda_context_options {
+    int device;          /* CUDA device ordinal (CUDA backend) */
+    int num_threads;     /* CPU threads; 0 = $KDA_NUM_THREADS, else all online cores */
+    /* Host allocator for the library's own scratch memory; NULL = malloc/free. */
+    void *(*alloc)(void *user, size_t bytes);
+    void (*free)(void *user, void *ptr);
+    /* Log sink, one line per call without the newline; NULL = stderr when KDA_LOG=1. */
+    void (*log)(void *user, const char *line);
+    void *user;
+} kda_context_options;
+
+/* Creates a context; opts may be NULL. Like sqlite3_open, *ctx is set even when
+ * the call fails (unless memory ran out, then it is NULL): read the reason with
+ * kda_last_error(*ctx), then kda_context_destroy it. KDA_BACKEND_CUDA returns
+ * KDA_ERROR_UNSUPPORTED when no usable GPU backend is there. */
+kda_status kda_context_create(kda_context **ctx, kda_backend backend, const kda_context_options *opts);
+void kda_context_destroy(kda_context *ctx);
+kda_backend kda_context_backend(const kda_context *ctx);
+/* Message of the last failed call on ctx ("" after a successful call). */
+const char *kda_last_error(const kda_context *ctx);
+const char *kda_status_string(kda_status s);
+
+/* Caller-provided workspace, used by every later call. A call whose need
+ * (kda_*_workspace_size) exceeds it fails with KDA_ERROR_OUT_OF_MEMORY and says
+ * how much it needs. With none set (ptr NULL), each call allocates what it needs
+ * through the context's allocator and frees it before returning. */
+void kda_set_workspace(kda_context *ctx, void *ptr, size_t bytes);
+/* CUDA stream (a CUstream) used by every later call; ignored by the CPU backend. */
+void kda_set_stream(kda_context *ctx, void *stream);
+
+/* ---------------------------------------------------------------------------
+ * Problem description: shapes, dtypes and options. No data pointers: the same
+ * description serves size queries, validation and (on the GPU) warm-up.
+ * ------------------------------------------------------------------------- */
+typedef struct kda_problem {
+    int B, T, H, HV, K, V;   /* HV % H == 0 (GVA when HV > H); 1 <= K, V <= 256 */
+    kda_dtype dtype;         /* q, k, v, o and their gradients */
+    kda_dtype g_dtype;       /* g and dg: KDA_F32 or dtype */
+    kda_dtype beta_dtype;    /* beta and dbeta: KDA_F32 or dtype */
+    int chunk_size;          /* 16, 32 or 64 */
+    float scale;             /* multiplies q; 0 means K^-0.5 */
+    int qk_l2norm;           /* l2-normalise q and k over K (eps 1e-6 inside the sqrt) */
+    kda_gate gate;
+    float lower_bound;       /* KDA_GATE_LOWER_BOUND only: in [-5, 0) */
+    int beta_sigmoid;        /* beta is a logit: b = sigmoid(beta) */
+    int allow_neg_eigval;    /* b = 2 sigmoid(beta); requires beta_sigmoid */
+    int safe_gate;           /* promise: every step's log decay lies in [-5, 0]. With a
+                                gate it requires KDA_GATE_LOWER_BOUND. Speed hint only. */
+    kda_layout state_layout; /* layout of h0, ht, dht, dh0 and intermediate states */
+    int num_seqs;            /* varlen: N >= 1 and B == 1; 0 = fixed length (N = B) */
+    kda_index_type seqlens_type; /* type of cu_seqlens entries */
+} kda_problem;
+
+/* B,T,H,K,V with HV = H, fp32 everywhere, chunk 64, default scale, no options. */
+kda_problem kda_problem_default(int B, int T, int H, int K, int V);
+/* Checks the description alone (no data). KDA_OK or INVALID_ARGUMENT with the reason. */
+kda_status kda_problem_check(kda_context *ctx, const kda_problem *p);
+/* Number of sequences N (B, or num_seqs with varlen). */
+int kda_num_seqs(const kda_problem *p);
+/* Number of chunks NT over all sequences: B*ceil(T/BT), or with varlen the sum
+ * of ceil(T_n/BT) read from the host array cu_seqlens_host. Returns -1 (and
+ * nothing else) when varlen and cu_seqlens_host is NULL. This is the leading
+ * dimension of the intermediate states kda_fwd_outputs.h. */
+long long kda_num_chunks(const kda_problem *p, const void *cu_seqlens_host);
+/* Upper bound of kda_num_chunks for any cu_seqlens; the buffers below use it. */
+long long kda_max_chunks(const kda_problem *p);
+
+/* ---------------------------------------------------------------------------
+ * Tensors of an operation. Unused fields stay NULL.
+ * ------------------------------------------------------------------------- */
+typedef struct kda_inputs {
+    const void *q, *k;       /* [B,T,H,K]   dtype */
+    const void *v;           /* [B,T,HV,V]  dtype */
+    const void *g;           /* [B,T,HV,K]  g_dtype: log decay, or raw gate input */
+    const void *beta;        /* [B,T,HV]    beta_dtype */
+    const float *A_log;      /* [HV]: required for SOFTPLUS, optional for LOWER_BOUND */
+    const float *dt_bias;    /* [HV*K]: optional with a gate */
+    const float *h0;         /* [N,HV,K,V] or [N,HV,V,K]; NULL = zero initial state */
+    const void *cu_seqlens;  /* [N+1] when num_seqs > 0: starts at 0, non-decreasing, ends at T */
+} kda_inputs;
+
+typedef struct kda_fwd_outputs {
+    void *o;                 /* [B,T,HV,V] dtype (required) */
+    float *ht;               /* [N,HV,K,V] / [N,HV,V,K] final states, optional */
+    float *h;                /* [NT,HV,K,V] / [NT,HV,V,K] state at the start of every
+                                chunk (NT = kda_num_chunks), optional */
+    void *saved;             /* optional, kda_fwd_saved_size bytes: the forward keeps its
+                                intermediates here so kda_chunk_bwd need not recompute */
+} kda_fwd_outputs;
+
+typedef struct kda_bwd_io {
+    const void *dout;        /* [B,T,HV,V] dtype: gradient of o (required) */
+    const float *dht;        /* gradient of the final states, optional (NULL = 0) */
+    const void *saved;       /* a buffer the forward filled for these inputs, or NULL to recompute */
+    void *dq, *dk;           /* [B,T,H,K]  dtype */
+    void *dv;                /* [B,T,HV,V] dtype */
+    void *dg;                /* [B,T,HV,K] g_dtype: w.r.t. g as given (raw when gated) */
+    void *dbeta;             /* [B,T,HV]   beta_dtype: w.r.t. beta as given (the logit with beta_sigmoid) */
+    float *dh0;              /* like h0; optional */
+    float *dA_log;           /* [HV]; optional, gate only */
+    float *ddt_bias;         /* [HV*K]; optional, gate only */
+} kda_bwd_io;
+
+typedef struct kda_recurrent_io {
+    void *o;                 /* [B,T,HV,V] dtype (required) */
+    /* Plain form: in.h0 (optional) -> ht (optional). ht may equal in.h0 (in place). */
+    float *ht;
+    /* Pool form (serving): state_pool [num_slots,HV,K,V] (or [..,V,K]) updated in
+     * place. Sequence n starts from and ends in slot slots[n]; slots[n] < 0 is
+     * padding: the sequence is skipped, its o rows and every slot it names stay
+     * untouched. in.h0 and ht must be NULL in this form. */
+    float *state_pool;
+    const int32_t *slots;    /* [N] */
+    int num_slots;
+} kda_recurrent_io;
+
+/* ---------------------------------------------------------------------------
+ * Operations
+ * ------------------------------------------------------------------------- */
+/* Chunked forward (FLA chunk_kda). */
+kda_status kda_chunk_fwd(kda_context *ctx, const kda_problem *p, const kda_inputs *in,
+                         const kda_fwd_outputs *out);
+/* Chunked backward: every gradient w.r.t. the inputs as given. */
+kda_status kda_chunk_bwd(kda_context *ctx, const kda_problem *p, const kda_inputs *in,
+                         const kda_bwd_io *io);
+/* Token-by-token recurrence (FLA fused_recurrent_kda / decode with a state pool),
+ * any number of tokens per sequence. Uses natural exp, fp32 state. chunk_size
+ * is ignored. */
+kda_status kda_recurrent_fwd(kda_context *ctx, const kda_problem *p, const kda_inputs *in,
+                             const kda_recurrent_io *io);
+
+/* Bytes of kda_fwd_outputs.saved; bytes of workspace each operation needs at most. */
+size_t kda_fwd_saved_size(const kda_problem *p);
+size_t kda_fwd_workspace_size(const kda_problem *p);
+size_t kda_bwd_workspace_size(const kda_problem *p, int have_saved);
+
+/* ---------------------------------------------------------------------------
+ * Stages. The chunked forward and backward are sequences of the stages below
+ * (FLA's split, spec sections 3.2 and 4). Each runs alone on a kda_work whose
+ * buffers the caller carves with kda_work_layout, so every backend's stage can
+ * be checked against the CPU's on the same inputs.
+ *
+ * All intermediates are fp32 and token-major. "rows" are the B*T tokens; a chunk
+ * is BT consecutive tokens of one sequence, restarting at each sequence start,
+ * the last one partial. Per-chunk matrices [B,T,HV,BT] hold at row t, column j
+ * the entry (t - chunk start, j); entries outside the matrix's triangle are 0.
+ * Per-chunk states [NTmax,HV,K,V] are always in [K,V] layout, indexed by the
+ * global chunk number (sequence by sequence, chunk by chunk).
+ * ------------------------------------------------------------------------- */
+typedef struct kda_work {
+    /* forward */
+    float *qn, *kn;     /* [B,T,H,K]  q, k after l2norm (or as given), fp32 */
+    float *rstd_q, *rstd_k; /* [B,T,H]  1/sqrt(sum x^2 + 1e-6) (only with qk_l2norm) */
+    float *beta;        /* [B,T,HV]   beta after the sigmoid (or as given) */
+    double *G;          /* [B,T,HV,K] chunk-local inclusive cumsum of a, times 1/ln2. In double:
+                           with strong decay |G| grows to thousands inside a chunk, and fp32
+                           would lose the small differences exp2(G_i - G_j) depends on. */
+    float *Aqk;         /* [B,T,HV,BT] scale * sum_d q_i k_j exp(G_i-G_j), j <= i */
+    float *L;           /* [B,T,HV,BT] beta_i * sum_d k_i k_j exp(G_i-G_j), j < i */
+    float *M;           /* [B,T,HV,BT] (I + L)^-1, unit lower triangular */
+    float *w;           /* [B,T,HV,K] M (beta k exp(G)) */
+    float *u;           /* [B,T,HV,V] M (beta v) */
+    float *kg;          /* [B,T,HV,K] k exp(G_last - G) */
+    float *qg;          /* [B,T,HV,K] q exp(G) (unscaled) */
+    float *h;           /* [NTmax,HV,K,V] state at each chunk start */
+    float *vn;          /* [B,T,HV,V] delta = u - w S (FLA's v_new) */
+    /* backward */
+    float *dAqk;        /* [B,T,HV,BT] scale * do_i . vn_j, j <= i */
+    float *dvl;         /* [B,T,HV,V] Aqk^T do (intra-chunk part of d vn) */
+    float *dh;          /* [NTmax,HV,K,V] gradient of the state at each chunk END */
+    float *dv2;         /* [B,T,HV,V] total gradient of vn */
+    float *dqh, *dkh;   /* [B,T,HV,K] dq, dk per value head (before the GVA sum) */
+    double *dG;         /* [B,T,HV,K] gradient w.r.t. G (natural-log units). In double: its
+                           terms cancel in the reverse cumsum (e.g. k*dk_s against the last
+                           row's sum of them), which fp32 would not do exactly. */
+    float *dL;          /* [B,T,HV,BT] gradient w.r.t. L */
+    float *dbeta;       /* [B,T,HV]   gradient w.r.t. beta after the sigmoid */
+    float *dgate;       /* [B,T,HV,K] gradient w.r.t. the log decay a (reverse cumsum of dG) */
+    float *dqn, *dkn;   /* [B,T,H,K]  dq, dk summed over the group (before l2norm bwd) */
+} kda_work;
+
+/* Which part of kda_work to carve. */
+#define KDA_WORK_FWD 1  /* the forward fields (this part is what kda_fwd_outputs.saved holds) */
+#define KDA_WORK_BWD 2  /* the backward fields */
+/* Carves the fields of `parts` out of base (which may be NULL to only measure)
+ * in a fixed order, each 256-byte aligned, and returns the bytes needed.
+ * Fields of other parts are left as they are. */
+size_t kda_work_layout(const kda_problem *p, int parts, void *base, kda_work *w);
+
+/* Forward stages, in order. Each reads/writes the kda_work fields named. */
+/* 0: qn, kn (+ rstd_q, rstd_k with qk_l2norm) from in.q, in.k; beta from in.beta. */
+kda_status kda_stage_prepare(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w);
+/* 1: G from in.g (gate applied when p->gate != NONE), chunk cumsum, times 1/ln2. */
+kda_status kda_stage_gate_cumsum(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w);
+/* 2: Aqk and L from qn, kn, beta, G. */
+kda_status kda_stage_intra(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w);
+/* 3: M = (I + L)^-1 per chunk. */
+kda_status kda_stage_solve(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w);
+/* 4: w, u, kg, qg from M, qn, kn, in.v, beta, G. */
+kda_status kda_stage_wu(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w);
+/* 5: h, vn (and ht when non-NULL) from w, u, kg, G, in.h0: the serial inter-chunk scan. */
+kda_status kda_stage_state(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w,
+                           float *ht);
+/* 6: o (dtype) = scale qg h + Aqk vn. */
+kda_status kda_stage_output(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w,
+                            void *o);
+
+/* Backward stages, in order (after the forward stages 0-5 filled their fields). */
+/* B1: dAqk, dvl from dout, vn, Aqk. */
+kda_status kda_stage_bwd_dAv(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w,
+                             const void *dout);
+/* B2: dh, dv2 (and dh0 when non-NULL) from qg, kg, w, G, dout, dvl, dht: reverse scan. */
+kda_status kda_stage_bwd_dhu(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w,
+                             const void *dout, const float *dht, float *dh0);
+/* B3: dqh, dkh, dG, dL, dbeta and dv (dtype, final) from the forward fields, dh, dv2, dout. */
+kda_status kda_stage_bwd_wy(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w,
+                            const void *dout, void *dv);
+/* B4: adds the intra-chunk terms (through Aqk and L) to dqh, dkh, dG, dbeta. */
+kda_status kda_stage_bwd_intra(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w);
+/* B5: dgate = reverse chunk cumsum of dG. */
+kda_status kda_stage_bwd_cumsum(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w);
+/* B6: dg (g_dtype) from dgate, through the gate when there is one, plus dA_log and
+ * ddt_bias (each optional). */
+kda_status kda_stage_bwd_gate(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w,
+                              void *dg, float *dA_log, float *ddt_bias);
+/* B7: dq, dk (dtype) from dqh, dkh: sum over each GVA group into dqn, dkn, then
+ * the l2norm backward; dbeta (beta_dtype) from w->dbeta through the sigmoid. */
+kda_status kda_stage_bwd_qkb(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w,
+                             void *dq, void *dk, void *dbeta);
+
+/* The l2norm stage on its own: y = x / sqrt(sum x^2 + eps) over rows of D, and
+ * its backward dx = rstd (dy - (dy . y) y). x, dx in `dtype`; y, rstd, dy fp32. */
+kda_status kda_l2norm_fwd(kda_context *ctx, long long rows, int D, const void *x, kda_dtype dtype,
+                          float *y, float *rstd);
+kda_status kda_l2norm_bwd(kda_context *ctx, long long rows, int D, const float *y, const float *rstd,
+                          const float *dy, void *dx, kda_dtype dtype);
+
+/* ---------------------------------------------------------------------------
+ * Small helpers, handy for callers with fp16/bf16 data.
+ * ------------------------------------------------------------------------- */
+float kda_f16_to_f32(uint16_t h);
+uint16_t kda_f32_to_f16(float f);   /* round to nearest even */
+float kda_bf16_to_f32(uint16_t h);
+uint16_t kda_f32_to_bf16(float f);  /* round to nearest even */
+size_t kda_dtype_size(kda_dtype t);
+const char *kda_dtype_name(kda_dtype t);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KDA_H */
+
+/* ===========================================================================
+ *                              IMPLEMENTATION
+ * ========================================================================= */
+#ifdef KDA_IMPLEMENTATION
+#ifndef KDA_IMPLEMENTATION_DONE
+#define KDA_IMPLEMENTATION_DONE
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#ifndef KDA_NO_THREADS
+#include <pthread.h>
+#include <unistd.h>
+#endif
+
+#ifndef KDA_MALLOC
+#define KDA_MALLOC(sz, user) ((void)(user), malloc(sz))
+#define KDA_FREE(p, user) ((void)(user), free(p))
+#endif
+
+#ifdef __cplusplus
+#define KDA__RESTRICT __restrict__
+#else
+#define KDA__RESTRICT restrict
+#endif
+
+#define KDA__RCP_LN2 1.4426950216f /* FLA's constant: exp2(RCP_LN2 * x) == exp(x) */
+#define KDA__BC 16                 /* sub-chunk rows */
+#define KDA__ERRLEN 2048
+
+struct kda_context {
+    kda_backend backend;
+    kda_context_options opt;
+    int num_threads;
+    int log_enabled;
+    void *workspace;
+    size_t workspace_size;
+    void *stream;
+    char err[KDA__ERRLEN];
+};
+
+/* ------------------------------------------------------------------ basics */
+
+static void *kda__alloc(kda_context *ctx, size_t n) {
+    if (n == 0) n = 1;
+    return ctx->opt.alloc ? ctx->opt.alloc(ctx->opt.user, n) : KDA_MALLOC(n, ctx->opt.user);
+}
+static void kda__free(kda_context *ctx, void *p) {
+    if (!p) return;
+    if (ctx->opt.free) ctx->opt.free(ctx->opt.user, p);
+    else KDA_FREE(p, ctx->opt.user);
+}
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 3, 4)))
+#endif
+static kda_status kda__fail(kda_context *ctx, kda_status s, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ctx->err, sizeof ctx->err, fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+static void kda__log(kda_context *ctx, const char *fmt, ...) {
+    char line[1024];
+    va_list ap;
+    if (!ctx->log_enabled && !ctx->opt.log) return;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    if (ctx->opt.log) ctx->opt.log(ctx->opt.user, line);
+    else fprintf(stderr, "kda: %s\n", line);
+}
+
+const char *kda_status_string(kda_status s) {
+    switch (s) {
+    case KDA_OK: return "ok";
+    case KDA_ERROR_INVALID_ARGUMENT: return "invalid argument";
+    case KDA_ERROR_UNSUPPORTED: return "unsupported";
+    case KDA_ERROR_OUT_OF_MEMORY: return "out of memory";
+    case KDA_ERROR_BACKEND: return "backend (CUDA driver) error";
+    case KDA_ERROR_COMPILE: return "kernel compilation error";
+    case KDA_ERROR_INTERNAL: return "internal error";
+    }
+    return "unknown status";
+}
+
+size_t kda_dtype_size(kda_dtype t) { return t == KDA_F32 ? 4 : 2; }
+const char *kda_dtype_name(kda_dtype t) {
+    return t == KDA_F32 ? "f32" : t == KDA_F16 ? "f16" : t == KDA_BF16 ? "bf16" : "?";
+}
+
+static uint32_t kda__f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static float kda__u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+float kda_bf16_to_f32(uint16_t h) { return kda__u2f((uint32_t)h << 16); }
+uint16_t kda_f32_to_bf16(float f) {
+    uint32_t u = kda__f2u(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+float kda_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0x1f) return kda__u2f(sign | 0x7f800000u | (m << 13));
+    if (e == 0) { /* zero or subnormal: m * 2^-24 */
+        float f = (float)m * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    return kda__u2f(sign | ((e + 112u) << 23) | (m << 13));
+}
+uint16_t kda_f32_to_f16(float f) {
+    uint32_t u = kda__f2u(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);          /* NaN */
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);         /* rounds to inf */
+    if (a < 0x38800000u) {                                            /* subnormal half */
+        float x = kda__u2f(a) * 16777216.0f;                          /* units of 2^-24 */
+        uint32_t q = (uint32_t)x;
+        float r = x - (float)q;
+        if (r > 0.5f || (r == 0.5f && (q & 1u))) q++;
+        return (uint16_t)(sign | q);
+    }
+    {
+        uint32_t m = a + 0xfffu + ((a >> 13) & 1u) - (112u << 23);
+        return (uint16_t)(sign | (m >> 13));
+    }
+}
+
+static float kda__ld(const void *p, kda_dtype t, size_t i) {
+    if (t == KDA_F32) return ((const float *)p)[i];
+    if (t == KDA_BF16) return kda_bf16_to_f32(((const uint16_t *)p)[i]);
+    return kda_f16_to_f32(((const uint16_t *)p)[i]);
+}
+static void kda__st(void *p, kda_dtype t, size_t i, float x) {
+    if (t == KDA_F32) ((float *)p)[i] = x;
+    else if (t == KDA_BF16) ((uint16_t *)p)[i] = kda_f32_to_bf16(x);
+    else ((uint16_t *)p)[i] = kda_f32_to_f16(x);
+}
+static void kda__ld_row(float *dst, const void *p, kda_dtype t, size_t off, int n) {
+    int i;
+    if (t == KDA_F32) memcpy(dst, (const float *)p + off, (size_t)n * 4);
+    else for (i = 0; i < n; i++) dst[i] = kda__ld(p, t, off + (size_t)i);
+}
+static void kda__st_row(void *p, kda_dtype t, size_t off, const float *src, int n) {
+    int i;
+    if (t == KDA_F32) memcpy((float *)p + off, src, (size_t)n * 4);
+    else for (i = 0; i < n; i++) kda__st(p, t, off + (size_t)i, src[i]);
+}
+
+static float kda__sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* --------------------------------------------------------- vector helpers
+ * exp2 and dot products written so that gcc/clang emit SIMD without
+ * -ffast-math. Vector types stay inside functions that take pointers (no
+ * vector arguments: they would change the ABI without -mavx). */
+
+/* exp2 by range reduction and a degree-6 fit on [-1/2, 1/2] (max rel. err.
+ * ~1e-7). Exponents below -127 give exactly 0, so g = -1000 underflows cleanly. */
+#define KDA__EXP2_POLY(p, f)                                                    \
+    p = (f) * 0.00015337580407503992f + 0.001339986571110785f;                  \
+    p = p * (f) + 0.009618519805371761f; p = p * (f) + 0.05550329014658928f;    \
+    p = p * (f) + 0.24022646248340607f; p = p * (f) + 0.6931471824645996f;      \
+    p = p * (f) + 1.0f
+
+static float kda__exp2(float x) {
+    float t, f, p;
+    int i;
+    x = x < -127.0f ? -127.0f : (x > 128.0f ? 128.0f : x);
+    t = x + 0.5f;
+    i = (int)t;
+    i -= (t < (float)i);
+    f = x - (float)i;
+    KDA__EXP2_POLY(p, f);
+    return p * kda__u2f((uint32_t)(i + 127) << 23);
+}
+
+#if defined(__GNUC__)
+typedef float kda__v8f __attribute__((vector_size(32)));
+typedef int32_t kda__v8i __attribute__((vector_size(32)));
+#define KDA__VLD(v, p) memcpy(&(v), (p), 32)
+#define KDA__VST(p, v) memcpy((p), &(v), 32)
+#define KDA__VSEL(m, a, b) ((kda__v8f)(((m) & (kda__v8i)(a)) | (~(m) & (kda__v8i)(b))))
+#endif
+
+/* y[d] = s * exp2(a[d] - b[d]) (b may be NULL: 0), for d < n. */
+static void kda__vexp2(float *KDA__RESTRICT y, const float *a, const float *b, float s, int n) {
+    int d = 0;
+#if defined(__GNUC__)
+    for (; d + 8 <= n; d += 8) {
+        kda__v8f x, z, t, f, p, lo = {0}, hi = {0};
+        kda__v8i i, m;
+        lo += -127.0f;
+        hi += 128.0f;
+        KDA__VLD(x, a + d);
+        if (b) { KDA__VLD(z, b + d); x -= z; }
+        m = x < lo; x = KDA__VSEL(m, lo, x);
+        m = x > hi; x = KDA__VSEL(m, hi, x);
+        t = x + 0.5f;
+        i = __builtin_convertvector(t, kda__v8i);
+        i += (t < __builtin_convertvector(i, kda__v8f)); /* true is -1: floor */
+        f = x - __builtin_convertvector(i, kda__v8f);
+        KDA__EXP2_POLY(p, f);
+        p *= (kda__v8f)((i + 127) << 23);
+        p *= s;
+        KDA__VST(y + d, p);
+    }
+#endif
+    for (; d < n; d++) y[d] = s * kda__exp2(b ? a[d] - b[d] : a[d]);
+}
+
+/* y[d] = s * exp2(a[d] - b[d]) with the difference taken in double: G is a
+ * cumsum that can be large (strong decay) while a[d] - b[d] is small. */
+static void kda__vexp2d(float *KDA__RESTRICT y, const double *a, const double *b, float s, int n) {
+    float x[KDA_MAX_HEAD_DIM];
+    int d;
+    if (b) for (d = 0; d < n; d++) x[d] = (float)(a[d] - b[d]);
+    else for (d = 0; d < n; d++) x[d] = (float)a[d];
+    kda__vexp2(y, x, NULL, s, n);
+}
+
+static float kda__dot(const float *a, const float *b, int n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, s;
+    int d = 0, l;
+    for (; d + 8 <= n; d += 8)
+        for (l = 0; l < 8; l++) acc[l] += a[d + l] * b[d + l];
+    s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; d < n; d++) s += a[d] * b[d];
+    return s;
+}
+/* sum_d a[d] b[d] c[d] */
+static float kda__dot3(const float *a, const float *b, const float *c, int n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, s;
+    int d = 0, l;
+    for (; d + 8 <= n; d += 8)
+        for (l = 0; l < 8; l++) acc[l] += a[d + l] * b[d + l] * c[d + l];
+    s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; d < n; d++) s += a[d] * b[d] * c[d];
+    return s;
+}
+static void kda__axpy(float *KDA__RESTRICT y, float a, const float *KDA__RESTRICT x, int n) {
+    int d;
+    for (d = 0; d < n; d++) y[d] += a * x[d];
+}
+static void kda__mul(float *KDA__RESTRICT y, const float *KDA__RESTRICT x, int n) {
+    int d;
+    for (d = 0; d < n; d++) y[d] *= x[d];
+}
+
+/* C[M,N] = alpha * A[M,Kd] B[Kd,N] (+ C when acc), row-major with leading
+ * dimensions. lower: A is lower triangular (A[i][k] = 0 for k > i). */
+static void kda__mm(int M, int N, int Kd, float alpha, const float *A, int lda, int lower,
+                    const float *B, int ldb, int acc, float *C, int ldc) {
+    int i0 = 0, j, kk;
+    for (; i0 < M; i0 += 4) {
+        int R = M - i0 < 4 ? M - i0 : 4, r, j0 = 0;
+        int kend = lower ? (i0 + R < Kd ? i0 + R : Kd) : Kd;
+        const float *a0 = A + (size_t)i0 * lda;
+        for (; j0 + 16 <= N && R == 4; j0 += 16) {
+            float c0[16] = {0}, c1[16] = {0}, c2[16] = {0}, c3[16] = {0};
+            for (kk = 0; kk < kend; kk++) {
+                const float *b = B + (size_t)kk * ldb + j0;
+                float x0 = a0[kk], x1 = a0[lda + kk], x2 = a0[2 * lda + kk], x3 = a0[3 * lda + kk];
+                for (j = 0; j < 16; j++) {
+                    c0[j] += x0 * b[j]; c1[j] += x1 * b[j]; c2[j] += x2 * b[j]; c3[j] += x3 * b[j];
+                }
+            }
+            {
+                float *cr[4];
+                float *cs[4];
+                cr[0] = c0; cr[1] = c1; cr[2] = c2; cr[3] = c3;
+                for (r = 0; r < 4; r++) {
+                    cs[r] = C + (size_t)(i0 + r) * ldc + j0;
+                    if (acc) for (j = 0; j < 16; j++) cs[r][j] += alpha * cr[r][j];
+                    else for (j = 0; j < 16; j++) cs[r][j] = alpha * cr[r][j];
+                }
+            }
+        }
+        if (j0 < N) { /* remaining columns (or rows of a short row tile), one row at a time */
+            int w = N - j0;
+            for (r = 0; r < R; r++) {
+                float crow[KDA_MAX_HEAD_DIM + 16];
+                const float *ar = A + (size_t)(i0 + r) * lda;
+                int ke = lower ? (i0 + r + 1 < Kd ? i0 + r + 1 : Kd) : Kd;
+                float *cdst = C + (size_t)(i0 + r) * ldc + j0;
+                memset(crow, 0, sizeof(float) * (size_t)w);
+                for (kk = 0; kk < ke; kk++) kda__axpy(crow, ar[kk], B + (size_t)kk * ldb + j0, w);
+                if (acc) for (j = 0; j < w; j++) cdst[j] += alpha * crow[j];
+                else for (j = 0; j < w; j++) cdst[j] = alpha * crow[j];
+            }
+        }
+    }
+}
+
+/* dst[c][r] = src[r][c] */
+static void kda__transpose(int rows, int cols, const float *src, int lds, float *dst, int ldd) {
+    int r, c;
+    for (r = 0; r < rows; r++)
+        for (c = 0; c < cols; c++) dst[(size_t)c * ldd + r] = src[(size_t)r * lds + c];
+}
+
+/* ------------------------------------------------------------ thread pool
+ * Threads are spawned per call (no hidden global pool); small jobs run inline. */
+typedef void (*kda__task_fn)(void *arg, long long item, float *scratch);
+typedef struct {
+    kda__task_fn fn;
+    void *arg;
+    long long n;
+    long long next;
+    float *scratch;
+    size_t scratch_floats;
+} kda__job;
+
+static void kda__run_items(kda__job *job, float *scratch) {
+    for (;;) {
+#if !defined(KDA_NO_THREADS) && defined(__GNUC__)
+        long long i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+#else
+        long long i = job->next++;
+#endif
+        if (i >= job->n) break;
+        job->fn(job->arg, i, scratch);
+    }
+}
+#ifndef KDA_NO_THREADS
+typedef struct { kda__job *job; float *scratch; } kda__worker;
+static void *kda__worker_main(void *p) {
+    kda__worker *w = (kda__worker *)p;
+    kda__run_items(w->job, w->scratch);
+    return NULL;
+}
+#endif
+
+/* Runs fn(arg, i, scratch) for i in [0, n); each thread has its own scratch of
+ * scratch_floats floats. work_per_item (flops, rough) decides whether threads pay. */
+static kda_status kda__parallel(kda_context *ctx, long long n, kda__task_fn fn, void *arg,
+                                size_t scratch_floats, double work_per_item) {
+    kda__job job;
+    int nt = ctx->num_threads, t;
+    float *scratch;
+    if (n <= 0) return KDA_OK;
+    if (nt > n) nt = (int)n;
+    if ((double)n * work_per_item < 2e5) nt = 1; /* spawning costs ~50 us */
+#if !defined(KDA_NO_THREADS) && !defined(__GNUC__)
+    nt = 1;
+#endif
+    scratch_floats = (scratch_floats + 63) & ~(size_t)63;
+    scratch = (float *)kda__alloc(ctx, sizeof(float) * scratch_floats * (size_t)nt + 64);
+    if (!scratch)
+        return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "cannot allocate %zu bytes of CPU scratch",
+                         sizeof(float) * scratch_floats * (size_t)nt);
+    job.fn = fn; job.arg = arg; job.n = n; job.next = 0;
+    job.scratch = scratch; job.scratch_floats = scratch_floats;
+#ifndef KDA_NO_THREADS
+    if (nt > 1) {
+        pthread_t tid[256];
+        kda__worker wk[256];
+        int started = 0;
+        if (nt > 256) nt = 256;
+        for (t = 1; t < nt; t++) {
+            wk[t].job = &job;
+            wk[t].scratch = scratch + (size_t)t * scratch_floats;
+            if (pthread_create(&tid[t], NULL, kda__worker_main, &wk[t]) != 0) break;
+            started = t;
+        }
+        kda__run_items(&job, scratch);
+        for (t = 1; t <= started; t++) pthread_join(tid[t], NULL);
+        kda__free(ctx, scratch);
+        return KDA_OK;
+    }
+#endif
+    (void)t;
+    kda__run_items(&job, scratch);
+    kda__free(ctx, scratch);
+    return KDA_OK;
+}
+
+/* --------------------------------------------------------------- context */
+
+static int kda__env_int(const char *name, int dflt) {
+    const char *s = getenv(name);
+    if (!s || !*s) return dflt;
+    return atoi(s);
+}
+
+kda_status kda_context_create(kda_context **out, kda_backend backend, const kda_context_options *opts) {
+    kda_context *ctx;
+    kda_context_options o;
+    if (!out) return KDA_ERROR_INVALID_ARGUMENT;
+    memset(&o, 0, sizeof o);
+    if (opts) o = *opts;
+    ctx = (kda_context *)(o.alloc ? o.alloc(o.user, sizeof *ctx) : KDA_MALLOC(sizeof *ctx, o.user));
+    *out = ctx;
+    if (!ctx) return KDA_ERROR_OUT_OF_MEMORY;
+    memset(ctx, 0, sizeof *ctx);
+    ctx->opt = o;
+    ctx->backend = backend;
+    ctx->log_enabled = kda__env_int("KDA_LOG", 0) > 0;
+    ctx->num_threads = o.num_threads > 0 ? o.num_threads : kda__env_int("KDA_NUM_THREADS", 0);
+#ifndef KDA_NO_THREADS
+    if (ctx->num_threads <= 0) ctx->num_threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
+#endif
+    if (ctx->num_threads <= 0) ctx->num_threads = 1;
+    if (backend == KDA_BACKEND_CPU) {
+        kda__log(ctx, "context: cpu backend, %d threads", ctx->num_threads);
+        return KDA_OK;
+    }
+    if (backend == KDA_BACKEND_CUDA)
+        return kda__fail(ctx, KDA_ERROR_UNSUPPORTED,
+                         "the CUDA backend is not implemented in this version of kda.h; use KDA_BACKEND_CPU");
+    return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "backend: unknown value %d (expected KDA_BACKEND_CPU or KDA_BACKEND_CUDA)",
+                     (int)backend);
+}
+
+void kda_context_destroy(kda_context *ctx) {
+    kda_context_options o;
+    if (!ctx) return;
+    o = ctx->opt;
+    if (o.free) o.free(o.user, ctx);
+    else KDA_FREE(ctx, o.user);
+}
+kda_backend kda_context_backend(const kda_context *ctx) { return ctx->backend; }
+const char *kda_last_error(const kda_context *ctx) { return ctx ? ctx->err : "no context (out of memory?)"; }
+void kda_set_workspace(kda_context *ctx, void *ptr, size_t bytes) {
+    ctx->workspace = ptr;
+    ctx->workspace_size = ptr ? bytes : 0;
+}
+void kda_set_stream(kda_context *ctx, void *stream) { ctx->stream = stream; }
+
+/* ------------------------------------------------------- problem & checks */
+
+kda_problem kda_problem_default(int B, int T, int H, int K, int V) {
+    kda_problem p;
+    memset(&p, 0, sizeof p);
+    p.B = B; p.T = T; p.H = H; p.HV = H; p.K = K; p.V = V;
+    p.dtype = KDA_F32; p.g_dtype = KDA_F32; p.beta_dtype = KDA_F32;
+    p.chunk_size = 64;
+    return p;
+}
+
+int kda_num_seqs(const kda_problem *p) { return p->num_seqs > 0 ? p->num_seqs : p->B; }
+
+static long long kda__cu(const kda_problem *p, const void *cu, int i) {
+    return p->seqlens_type == KDA_INDEX_I64 ? (long long)((const int64_t *)cu)[i]
+                                            : (long long)((const int32_t *)cu)[i];
+}
+
+long long kda_num_chunks(const kda_problem *p, const void *cu_seqlens_host) {
+    long long BT = p->chunk_size, nt = 0;
+    int n;
+    if (p->num_seqs <= 0) return (long long)p->B * ((p->T + BT - 1) / BT);
+    if (!cu_seqlens_host) return -1;
+    for (n = 0; n < p->num_seqs; n++) {
+        long long len = kda__cu(p, cu_seqlens_host, n + 1) - kda__cu(p, cu_seqlens_host, n);
+        nt += len > 0 ? (len + BT - 1) / BT : 0;
+    }
+    return nt;
+}
+
+long long kda_max_chunks(const kda_problem *p) {
+    long long BT = p->chunk_size > 0 ? p->chunk_size : 64, bound;
+    if (p->num_seqs <= 0) return (long long)p->B * ((p->T + BT - 1) / BT);
+    /* sum ceil(T_n/BT) <= (T + N (BT-1)) / BT, and no more chunks than tokens */
+    bound = ((long long)p->T + (long long)p->num_seqs * (BT - 1)) / BT;
+    return bound < p->T ? bound : p->T;
+}
+
+static int kda__dtype_ok(kda_dtype t) { return t == KDA_F32 || t == KDA_F16 || t == KDA_BF16; }
+
+static kda_status kda__check_problem(kda_context *ctx, const kda_problem *p) {
+#define KDA__REQ(cond, ...) if (!(cond)) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, __VA_ARGS__)
+    KDA__REQ(p != NULL, "problem: NULL pointer");
+    KDA__REQ(p->B >= 1 && p->T >= 1 && p->H >= 1 && p->HV >= 1 && p->K >= 1 && p->V >= 1,
+             "problem: sizes must be >= 1, got B=%d T=%d H=%d HV=%d K=%d V=%d", p->B, p->T, p->H, p->HV, p->K, p->V);
+    KDA__REQ(p->K <= KDA_MAX_HEAD_DIM, "problem: K=%d exceeds the maximum head dim %d", p->K, KDA_MAX_HEAD_DIM);
+    KDA__REQ(p->V <= KDA_MAX_HEAD_DIM, "problem: V=%d exceeds the maximum head dim %d", p->V, KDA_MAX_HEAD_DIM);
+    KDA__REQ(p->HV % p->H == 0, "problem: HV=%d is not a multiple of H=%d (GVA needs HV = G*H)", p->HV, p->H);
+    KDA__REQ((long long)p->B * p->T * (p->HV > p->H ? p->HV : p->H) * KDA_MAX_HEAD_DIM < (1LL << 40),
+             "problem: B*T*heads too large (B=%d T=%d)", p->B, p->T);
+    KDA__REQ(kda__dtype_ok(p->dtype), "problem: dtype=%d is not KDA_F32, KDA_F16 or KDA_BF16", (int)p->dtype);
+    KDA__REQ(p->g_dtype == KDA_F32 || p->g_dtype == p->dtype,
+             "problem: g_dtype=%s must be f32 or the activation dtype %s", kda_dtype_name(p->g_dtype), kda_dtype_name(p->dtype));
+    KDA__REQ(p->beta_dtype == KDA_F32 || p->beta_dtype == p->dtype,
+             "problem: beta_dtype=%s must be f32 or the activation dtype %s", kda_dtype_name(p->beta_dtype), kda_dtype_name(p->dtype));
+    KDA__REQ(p->chunk_size == 16 || p->chunk_size == 32 || p->chunk_size == 64,
+             "problem: chunk_size=%d must be 16, 32 or 64", p->chunk_size);
+    KDA__REQ(isfinite(p->scale), "problem: scale=%g is not finite", (double)p->scale);
+    KDA__REQ(p->gate == KDA_GATE_NONE || p->gate == KDA_GATE_SOFTPLUS || p->gate == KDA_GATE_LOWER_BOUND,
+             "problem: gate=%d is not a kda_gate value", (int)p->gate);
+    KDA__REQ(p->gate != KDA_GATE_LOWER_BOUND || (p->lower_bound >= -5.0f && p->lower_bound < 0.0f),
+             "problem: lower_bound=%g must lie in [-5, 0) for KDA_GATE_LOWER_BOUND", (double)p->lower_bound);
+    KDA__REQ(!p->allow_neg_eigval || p->beta_sigmoid,
+             "problem: allow_neg_eigval requires beta_sigmoid (beta = 2*sigmoid(logit))");
+    KDA__REQ(!p->safe_gate || p->gate != KDA_GATE_SOFTPLUS,
+             "problem: safe_gate requires the bounded gate (KDA_GATE_LOWER_BOUND) or a precomputed g, not KDA_GATE_SOFTPLUS");
+    KDA__REQ(p->state_layout == KDA_STATE_KV || p->state_layout == KDA_STATE_VK,
+             "problem: state_layout=%d is not KDA_STATE_KV or KDA_STATE_VK", (int)p->state_layout);
+    KDA__REQ(p->num_seqs >= 0, "problem: num_seqs=%d is negative", p->num_seqs);
+    KDA__REQ(p->num_seqs == 0 || p->B == 1, "problem: varlen (num_seqs=%d) requires B == 1, got B=%d", p->num_seqs, p->B);
+    KDA__REQ(p->seqlens_type == KDA_INDEX_I32 || p->seqlens_type == KDA_INDEX_I64,
+             "problem: seqlens_type=%d is not KDA_INDEX_I32 or KDA_INDEX_I64", (int)p->seqlens_type);
+    return KDA_OK;
+}
+
+kda_status kda_problem_check(kda_context *ctx, const kda_problem *p) {
+    kda_status s = kda__check_problem(ctx, p);
+    if (s == KDA_OK) ctx->err[0] = 0;
+    return s;
+}
+
+/* Checks the inputs every op reads. cu_seqlens is host memory on the CPU. */
+static kda_status kda__check_inputs(kda_context *ctx, const kda_problem *p, const kda_inputs *in, int need_h0_ok) {
+    int n;
+    KDA__REQ(in != NULL, "inputs: NULL pointer");
+    KDA__REQ(in->q && in->k && in->v && in->g && in->beta,
+             "inputs: q, k, v, g and beta are required (got q=%p k=%p v=%p g=%p beta=%p)",
+             in->q, in->k, in->v, in->g, in->beta);
+    KDA__REQ(p->gate != KDA_GATE_SOFTPLUS || in->A_log, "inputs: A_log is required for KDA_GATE_SOFTPLUS");
+    KDA__REQ(p->gate != KDA_GATE_NONE || (!in->A_log && !in->dt_bias),
+             "inputs: A_log/dt_bias given but gate is KDA_GATE_NONE (g would be used as the log decay as is); "
+             "set gate to KDA_GATE_SOFTPLUS or KDA_GATE_LOWER_BOUND, or pass NULL");
+    KDA__REQ(need_h0_ok || !in->h0, "inputs: h0 must be NULL in the state-pool form (the pool holds the states)");
+    if (p->num_seqs == 0) {
+        KDA__REQ(!in->cu_seqlens, "inputs: cu_seqlens given but problem.num_seqs is 0 (fixed length)");
+        return KDA_OK;
+    }
+    KDA__REQ(in->cu_seqlens, "inputs: cu_seqlens is required when problem.num_seqs=%d > 0", p->num_seqs);
+    if (ctx->backend != KDA_BACKEND_CPU) return KDA_OK; /* device memory: checked on the device */
+    KDA__REQ(kda__cu(p, in->cu_seqlens, 0) == 0, "inputs: cu_seqlens[0]=%lld must be 0",
+             kda__cu(p, in->cu_seqlens, 0));
+    for (n = 0; n < p->num_seqs; n++) {
+        long long a = kda__cu(p, in->cu_seqlens, n), b = kda__cu(p, in->cu_seqlens, n + 1);
+        KDA__REQ(b >= a, "inputs: cu_seqlens decreases at index %d (%lld -> %lld)", n + 1, a, b);
+    }
+    KDA__REQ(kda__cu(p, in->cu_seqlens, p->num_seqs) == p->T,
+             "inputs: cu_seqlens[%d]=%lld must equal T=%d (the total number of tokens)", p->num_seqs,
+             kda__cu(p, in->cu_seqlens, p->num_seqs), p->T);
+    return KDA_OK;
+}
+#undef KDA__REQ
+
+/* ------------------------------------------------------ sequences & chunks */
+
+typedef struct {
+    int N;
+    long long NT;
+    long long *bos;    /* [N] first row of sequence n */
+    long long *len;    /* [N] */
+    long long *chunk0; /* [N+1] global index of the sequence's first chunk */
+    int *cseq;         /* [NT] sequence of each chunk */
+} kda__seqs;
+
+static kda_status kda__seqs_build(kda_context *ctx, const kda_problem *p, const void *cu, kda__seqs *s) {
+    int n, N = kda_num_seqs(p);
+    long long BT = p->chunk_size, c, nt = 0;
+    void *mem;
+    memset(s, 0, sizeof *s);
+    s->N = N;
+    s->NT = p->num_seqs > 0 ? kda_num_chunks(p, cu) : kda_num_chunks(p, NULL);
+    mem = kda__alloc(ctx, sizeof(long long) * (3 * (size_t)N + 1) + sizeof(int) * (size_t)(s->NT + 1));
+    if (!mem) return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "cannot allocate the chunk table (%d sequences)", N);
+    s->bos = (long long *)mem;
+    s->len = s->bos + N;
+    s->chunk0 = s->len + N;
+    s->cseq = (int *)(s->chunk0 + N + 1);
+    for (n = 0; n < N; n++) {
+        s->bos[n] = p->num_seqs > 0 ? kda__cu(p, cu, n) : (long long)n * p->T;
+        s->len[n] = p->num_seqs > 0 ? kda__cu(p, cu, n + 1) - s->bos[n] : p->T;
+        s->chunk0[n] = nt;
+        for (c = 0; c < (s->len[n] + BT - 1) / BT; c++) s->cseq[nt++] = n;
+    }
+    s->chunk0[N] = nt;
+    return KDA_OK;
+}
+static void kda__seqs_free(kda_context *ctx, kda__seqs *s) { kda__free(ctx, s->bos); }
+
+/* A chunk: global index gc, its first row, and its number of rows. */
+typedef struct { long long gc, t0; int n; } kda__chunk;
+static kda__chunk kda__chunk_at(const kda_problem *p, const kda__seqs *s, long long gc) {
+    kda__chunk c;
+    int sq = s->cseq[gc];
+    long long BT = p->chunk_size, ci = gc - s->chunk0[sq];
+    c.gc = gc;
+    c.t0 = s->bos[sq] + ci * BT;
+    c.n = (int)((s->len[sq] - ci * BT) < BT ? (s->len[sq] - ci * BT) : BT);
+    return c;
+}
+
+/* ------------------------------------------------------------ work layout */
+
+size_t kda_work_layout(const kda_problem *p, int parts, void *base, kda_work *w) {
+    size_t off = 0, rows = (size_t)p->B * (size_t)p->T;
+    size_t HK = rows * (size_t)p->H * (size_t)p->K, VK = rows * (size_t)p->HV * (size_t)p->K;
+    size_t VV = rows * (size_t)p->HV * (size_t)p->V, VB = rows * (size_t)p->HV * (size_t)p->chunk_size;
+    size_t S = (size_t)kda_max_chunks(p) * (size_t)p->HV * (size_t)p->K * (size_t)p->V;
+#define KDA__CARVE_T(field, count, T)                                                 \
+    do {                                                                              \
+        if (w) w->field = base ? (T *)(void *)((char *)base + off) : NULL;            \
+        off += (((size_t)(count) * sizeof(T)) + 255) & ~(size_t)255;                 \
+    } while (0)
+#define KDA__CARVE(field, count) KDA__CARVE_T(field, count, float)
+    if (parts & KDA_WORK_FWD) {
+        KDA__CARVE(qn, HK); KDA__CARVE(kn, HK);
+        if (p->qk_l2norm) { KDA__CARVE(rstd_q, HK / (size_t)p->K); KDA__CARVE(rstd_k, HK / (size_t)p->K); }
+        else if (w) w->rstd_q = w->rstd_k = NULL;
+        KDA__CARVE(beta, VK / (size_t)p->K);
+        KDA__CARVE_T(G, VK, double);
+        KDA__CARVE(Aqk, VB); KDA__CARVE(L, VB); KDA__CARVE(M, VB);
+        KDA__CARVE(w, VK); KDA__CARVE(u, VV); KDA__CARVE(kg, VK); KDA__CARVE(qg, VK);
+        KDA__CARVE(h, S); KDA__CARVE(vn, VV);
+    }
+    if (parts & KDA_WORK_BWD) {
+        KDA__CARVE(dAqk, VB); KDA__CARVE(dvl, VV); KDA__CARVE(dh, S); KDA__CARVE(dv2, VV);
+        KDA__CARVE(dqh, VK); KDA__CARVE(dkh, VK); KDA__CARVE_T(dG, VK, double); KDA__CARVE(dL, VB);
+        KDA__CARVE(dbeta, VK / (size_t)p->K); KDA__CARVE(dgate, VK);
+        KDA__CARVE(dqn, HK); KDA__CARVE(dkn, HK);
+    }
+#undef KDA__CARVE
+#undef KDA__CARVE_T
+    return off;
+}
+
+size_t kda_fwd_saved_size(const kda_problem *p) { return kda_work_layout(p, KDA_WORK_FWD, NULL, NULL); }
+size_t kda_fwd_workspace_size(const kda_problem *p) { return kda_work_layout(p, KDA_WORK_FWD, NULL, NULL); }
+size_t kda_bwd_workspace_size(const kda_problem *p, int have_saved) {
+    return kda_work_layout(p, have_saved ? KDA_WORK_BWD : (KDA_WORK_FWD | KDA_WORK_BWD), NULL, NULL);
+}
+
+/* ===================================================================== CPU
+ * The chunked algorithm, stage by stage, in fp32 with fp32 (or double, where
+ * it is cheap) accumulation. One task per (chunk, value head) for the
+ * chunk-parallel stages and per (sequence, value head, V block) for the scans. */
+
+#define KDA__VBLK 64 /* V columns per scan task: columns of the state are independent */
+
+typedef struct {
+    const kda_problem *p;
+    const kda_inputs *in;
+    kda_work *w;
+    kda__seqs s;
+    int G, BT, K, V, H, HV;
+    float scale;
+    /* stage-specific */
+    const void *dout;
+    const float *dht;
+    float *ht, *dh0, *dA_log, *ddt_bias;
+    void *out;     /* o, dv or dg */
+    const kda_recurrent_io *rio;
+} kda__cpu;
+
+/* Sets the shape fields; the caller zeroes c and sets the stage-specific ones. */
+static void kda__cpu_init(kda__cpu *c, const kda_problem *p, const kda_inputs *in, kda_work *w) {
+    c->p = p; c->in = in; c->w = w;
+    c->G = p->HV / p->H; c->BT = p->chunk_size; c->K = p->K; c->V = p->V; c->H = p->H; c->HV = p->HV;
+    c->scale = p->scale != 0.0f ? p->scale : 1.0f / sqrtf((float)p->K);
+}
+
+/* row strides of the token-major tensors */
+#define KDA__RK(c) ((size_t)(c)->HV * (c)->K)  /* [rows,HV,K] */
+#define KDA__RV(c) ((size_t)(c)->HV * (c)->V)  /* [rows,HV,V] */
+#define KDA__RB(c) ((size_t)(c)->HV * (c)->BT) /* [rows,HV,BT] */
+#define KDA__RQ(c) ((size_t)(c)->H * (c)->K)   /* [rows,H,K] */
+#define KDA__AT(base, row, rs, hv, d) ((base) + (size_t)(row) * (rs) + (size_t)(hv) * (d))
+
+static double kda__gate_value(const kda_problem *p, const kda_inputs *in, int hv, int d, double x) {
+    double z = x + (in->dt_bias ? (double)in->dt_bias[(size_t)hv * p->K + d] : 0.0);
+    if (p->gate == KDA_GATE_SOFTPLUS) {
+        double sp = z > 20.0 ? z : log1p(exp(z));
+        return -exp((double)in->A_log[hv]) * sp;
+    }
+    if (p->gate == KDA_GATE_LOWER_BOUND) {
+        double cz = (in->A_log ? exp((double)in->A_log[hv]) : 1.0) * z;
+        return (double)p->lower_bound / (1.0 + exp(-cz));
+    }
+    return x;
+}
+
+static float kda__beta_value(const kda_problem *p, float b) {
+    if (!p->beta_sigmoid) return b;
+    return (p->allow_neg_eigval ? 2.0f : 1.0f) * kda__sigmoid(b);
+}
+
+/* ---- stage 0: prepare ---- */
+typedef struct { long long rows; int D; const void *x; kda_dtype t; float *y, *rstd; int norm; } kda__rowjob;
+#define KDA__ROWBLK 256
+static void kda__rows_task(void *arg, long long item, float *scratch) {
+    const kda__rowjob *j = (const kda__rowjob *)arg;
+    long long r0 = item * KDA__ROWBLK, r1 = r0 + KDA__ROWBLK < j->rows ? r0 + KDA__ROWBLK : j->rows, r;
+    int d;
+    (void)scratch;
+    for (r = r0; r < r1; r++) {
+        float *y = j->y + (size_t)r * j->D;
+        kda__ld_row(y, j->x, j->t, (size_t)r * j->D, j->D);
+        if (j->norm) {
+            double ss = 0.0;
+            float rs;
+            for (d = 0; d < j->D; d++) ss += (double)y[d] * y[d];
+            rs = (float)(1.0 / sqrt(ss + 1e-6));
+            for (d = 0; d < j->D; d++) y[d] *= rs;
+            if (j->rstd) j->rstd[r] = rs;
+        }
+    }
+}
+static kda_status kda__rows_fwd(kda_context *ctx, long long rows, int D, const void *x, kda_dtype t, float *y,
+                                float *rstd, int norm) {
+    kda__rowjob j;
+    j.rows = rows; j.D = D; j.x = x; j.t = t; j.y = y; j.rstd = rstd; j.norm = norm;
+    return kda__parallel(ctx, (rows + KDA__ROWBLK - 1) / KDA__ROWBLK, kda__rows_task, &j, 0, 4.0 * KDA__ROWBLK * D);
+}
+
+static void kda__beta_task(void *arg, long long item, float *scratch) {
+    kda__cpu *c = (kda__cpu *)arg;
+    size_t n = (size_t)c->p->B * c->p->T * c->HV, i0 = (size_t)item * 4096, i;
+    (void)scratch;
+    for (i = i0; i < n && i < i0 + 4096; i++)
+        c->w->beta[i] = kda__beta_value(c->p, kda__ld(c->in->beta, c->p->beta_dtype, i));
+}
+
+static kda_status kda__cpu_prepare(kda_context *ctx, kda__cpu *c) {
+    const kda_problem *p = c->p;
+    long long rows = (long long)p->B * p->T * p->H, nb = ((long long)p->B * p->T * p->HV + 4095) / 4096;
+    kda_status s;
+    if ((s = kda__rows_fwd(ctx, rows, p->K, c->in->q, p->dtype, c->w->qn, c->w->rstd_q, p->qk_l2norm))) return s;
+    if ((s = kda__rows_fwd(ctx, rows, p->K, c->in->k, p->dtype, c->w->kn, c->w->rstd_k, p->qk_l2norm))) return s;
+    return kda__parallel(ctx, nb, kda__beta_task, c, 0, 4096.0 * 20);
+}
+
+/* ---- stage 1: gate + chunk cumsum ---- */
+static void kda__gate_cumsum_task(void *arg, long long item, float *scratch) {
+    kda__cpu *c = (kda__cpu *)arg;
+    kda__chunk ch = kda__chunk_at(c->p, &c->s, item / c->HV);
+    int hv = (int)(item % c->HV), i, d;
+    double *acc = (double *)scratch;
+    for (d = 0; d < c->K; d++) acc[d] = 0.0;
+    for (i = 0; i < ch.n; i++) {
+        size_t off = ((size_t)(ch.t0 + i) * c->HV + hv) * c->K;
+        for (d = 0; d < c->K; d++) {
+            acc[d] += kda__gate_value(c->p, c->in, hv, d, (double)kda__ld(c->in->g, c->p->g_dtype, off + d));
+            c->w->G[off + d] = acc[d] * 1.4426950408889634; /* 1/ln2 */
+        }
+    }
+}
+
+/* ---- stage 2: intra-chunk Aqk and L ----
+ * Blocks of 16 rows. Off-diagonal blocks (I > J) factor exp(G_i - G_j) through
+ * the first row of I and the last row of J, so every factor is <= 1; the
+ * diagonal blocks use the exact per-pair exponent. */
+static void kda__intra_task(void *arg, long long item, float *scratch) {
+    kda__cpu *c = (kda__cpu *)arg;
+    kda__chunk ch = kda__chunk_at(c->p, &c->s, item / c->HV);
+    int hv = (int)(item % c->HV), h = hv / c->G, K = c->K, BT = c->BT, n = ch.n;
+    int nsub = (n + KDA__BC - 1) / KDA__BC, I, J, i, j, d;
+    const float *q = KDA__AT(c->w->qn, ch.t0, KDA__RQ(c), h, K);
+    const float *k = KDA__AT(c->w->kn, ch.t0, KDA__RQ(c), h, K);
+    const double *G = KDA__AT(c->w->G, ch.t0, KDA__RK(c), hv, K);
+    const float *beta = c->w->beta + (size_t)ch.t0 * c->HV + hv;
+    size_t rq = KDA__RQ(c), rk = KDA__RK(c), rb = KDA__RB(c);
+    float *qe = scratch, *ke = qe + (size_t)BT * K, *kdT = ke + (size_t)BT * K, *tmpT = kdT + (size_t)K * BT;
+    float *f = tmpT + (size_t)K * KDA__BC, *e = f + K, *A = e + K, *L = A + (size_t)BT * BT;
+    memset(A, 0, sizeof(float) * (size_t)BT * BT * 2);
+    for (I = 0; I < nsub; I++) {
+        int i0 = I * KDA__BC, i1 = i0 + KDA__BC < n ? i0 + KDA__BC : n;
+        const double *gn = G + (size_t)i0 * rk, *gl = G + (size_t)(i1 - 1) * rk;
+        for (i = i0; i < i1; i++) {
+            kda__vexp2d(e, G + (size_t)i * rk, gn, 1.0f, K);
+            for (d = 0; d < K; d++) {
+                qe[(size_t)i * K + d] = q[(size_t)i * rq + d] * e[d];
+                ke[(size_t)i * K + d] = k[(size_t)i * rq + d] * e[d];
+            }
+            kda__vexp2d(e, gl, G + (size_t)i * rk, 1.0f, K);
+            for (d = 0; d < K; d++) kdT[(size_t)d * BT + i] = k[(size_t)i * rq + d] * e[d];
+        }
+    }
+    for (I = 1; I < nsub; I++) {
+        int i0 = I * KDA__BC, ni = (I * KDA__BC + KDA__BC < n ? KDA__BC : n - i0);
+        for (J = 0; J < I; J++) {
+            int j0 = J * KDA__BC;
+            kda__vexp2d(f, G + (size_t)i0 * rk, G + (size_t)(j0 + KDA__BC - 1) * rk, 1.0f, K);
+            for (d = 0; d < K; d++)
+                for (j = 0; j < KDA__BC; j++) tmpT[(size_t)d * KDA__BC + j] = kdT[(size_t)d * BT + j0 + j] * f[d];
+            kda__mm(ni, KDA__BC, K, c->scale, qe + (size_t)i0 * K, K, 0, tmpT, KDA__BC, 0, A + (size_t)i0 * BT + j0, BT);
+            kda__mm(ni, KDA__BC, K, 1.0f, ke + (size_t)i0 * K, K, 0, tmpT, KDA__BC, 0, L + (size_t)i0 * BT + j0, BT);
+        }
+    }
+    for (i = 0; i < n; i++) {
+        int i0 = (i / KDA__BC) * KDA__BC;
+        for (j = i0; j <= i; j++) {
+            kda__vexp2d(e, G + (size_t)i * rk, G + (size_t)j * rk, 1.0f, K);
+            A[(size_t)i * BT + j] = c->scale * kda__dot3(q + (size_t)i * rq, k + (size_t)j * rq, e, K);
+            if (j < i) L[(size_t)i * BT + j] = kda__dot3(k + (size_t)i * rq, k + (size_t)j * rq, e, K);
+        }
+        for (j = 0; j < i; j++) L[(size_t)i * BT + j] *= beta[(size_t)i * c->HV];
+    }
+    for (i = 0; i < n; i++) {
+        memcpy(KDA__AT(c->w->Aqk, ch.t0 + i, rb, hv, BT), A + (size_t)i * BT, sizeof(float) * BT);
+        memcpy(KDA__AT(c->w->L, ch.t0 + i, rb, hv, BT), L + (size_t)i * BT, sizeof(float) * BT);
+    }
+}
+
+/* ---- stage 3: M = (I + L)^-1 by forward substitution, in double ---- */
+static void kda__solve_task(void *arg, long long item, float *scratch) {
+    kda__cpu *c = (kda__cpu *)arg;
+    kda__chunk ch = kda__chunk_at(c->p, &c->s, item / c->HV);
+    int hv = (int)(item % c->HV), BT = c->BT, n = ch.n, i, j, m;
+    size_t rb = KDA__RB(c);
+    double *Md = (double *)scratch;
+    for (i = 0; i < n; i++) {
+        const float *Lr = KDA__AT(c->w->L, ch.t0 + i, rb, hv, BT);
+        double *row = Md + (size_t)i * BT;
+        for (j = 0; j < BT; j++) row[j] = 0.0;
+        row[i] = 1.0;
+        for (m = 0; m < i; m++) {
+            double l = Lr[m];
+            const double *rm = Md + (size_t)m * BT;
+            if (l != 0.0) for (j = 0; j <= m; j++) row[j] -= l * rm[j];
+        }
+    }
+    for (i = 0; i < n; i++) {
+        float *Mr = KDA__AT(c->w->M, ch.t0 + i, rb, hv, BT);
+        for (j = 0; j < BT; j++) Mr[j] = (float)Md[(size_t)i * BT + j];
+    }
+}
+
+/* ---- stage 4: w, u, kg, qg ---- */
+static void kda__wu_task(void *arg, long long item, float *scratch) {
+    kda__cpu *c = (kda__cpu *)arg;
+    kda__chunk ch = kda__chunk_at(c->p, &c->s, item / c->HV);
+    int hv = (int)(item % c->HV), h = hv / c->G, K = c->K, V = c->V, BT = c->BT, n = ch.n, i, d;
+    size_t rq = KDA__RQ(c), rk = KDA__RK(c), rv = KDA__RV(c), rb = KDA__RB(c);
+    const float *q = KDA__AT(c->w->qn, ch.t0, rq, h, K), *k = KDA__AT(c->w->kn, ch.t0, rq, h, K);
+    const double *G = KDA__AT(c->w->G, ch.t0, rk, hv, K), *gl = G + (size_t)(n - 1) * rk;
+    const float *beta = c->w->beta + (size_t)ch.t0 * c->HV + hv;
+    float *kb = scratch, *vb = kb + (size_t)BT * K, *e = vb + (size_t)BT * V;
+    for (i = 0; i < n; i++) {
+        float b = beta[(size_t)i * c->HV];
+        float *qg = KDA__AT(c->w->qg, ch.t0 + i, rk, hv, K), *kg = KDA__AT(c->w->kg, ch.t0 + i, rk, hv, K);
+        kda__vexp2d(e, G + (size_t)i * rk, NULL, 1.0f, K);
+        for (d = 0; d < K; d++) {
+            kb[(size_t)i * K + d] = b * k[(size_t)i * rq + d] * e[d];
+            qg[d] = q[(size_t)i * rq + d] * e[d];
+        }
+        kda__vexp2d(e, gl, G + (size_t)i * rk, 1.0f, K);
+        for (d = 0; d < K; d++) kg[d] = k[(size_t)i * rq + d] * e[d];
+        kda__ld_row(vb + (size_t)i * V, c->in->v, c->p->dtype, ((size_t)(ch.t0 + i) * c->HV + hv) * V, V);
+        for (d = 0; d < V; d++) vb[(size_t)i * V + d] *= b;
+    }
+    {
+        const float *M = KDA__AT(c->w->M, ch.t0, rb, hv, BT);
+        kda__mm(n, K, n, 1.0f, M, (int)rb, 1, kb, K, 0, KDA__AT(c->w->w, ch.t0, rk, hv, K), (int)rk);
+        kda__mm(n, V, n, 1.0f, M, (int)rb, 1, vb, V, 0, KDA__AT(c->w->u, ch.t0, rv, hv, V), (int)rv);
+    }
+}
+
+/* state element (d, v) of state number `idx` ([.., HV, K, V] or [.., HV, V, K]) */
+static size_t kda__sidx(const kda_problem *p, long long idx, int d, int v) {
+    size_t base = (size_t)idx * p->K * p->V;
+    return p->state_layout == KDA_STATE_KV ? base + (size_t)d * p->V + v : base + (size_t)v * p->K + d;
+}
+
+/* ---- stage 5: inter-chunk state scan ---- */
+static void kda__state_task(void *arg, long long item, float *scratch) {
+    kda__cpu *c = (kda__cpu *)arg;
+    int nvb = (c->V + KDA__VBLK - 1) / KDA__VBLK, K = c->K, V = c->V, BT = c->BT;
+    int vb = (int)(item % nvb), hv = (int)((item / nvb) % c->HV), sq = (int)(item / nvb / c->HV);
+    int v0 = vb * KDA__VBLK, vw = V - v0 < KDA__VBLK ? V - v0 : KDA__VBLK, d, v, i;
+    size_t rk = KDA__RK(c), rv = KDA__RV(c);
+    float *S = scratch, *kgT = S + (size_t)K * KDA__VBLK, *el = kgT + (size_t)K * BT;
+    long long gc, sidx = (long long)sq * c->HV + hv;
+    for (d = 0; d < K; d++)
+        for (v = 0; v < vw; v++)
+            S[(size_t)d * KDA__VBLK + v] = c->in->h0 ? c->in->h0[kda__sidx(c->p, sidx, d, v0 + v)] : 0.0f;
+    for (gc = c->s.chunk0[sq]; gc < c->s.chunk0[sq + 1]; gc++) {
+        kda__chunk ch = kda__chunk_at(c->p, &c->s, gc);
+        float *h = c->w->h + ((size_t)gc * c->HV + hv) * K * V;
+        float *vn = KDA__AT(c->w->vn, ch.t0, rv, hv, V) + v0;
+        const float *u = KDA__AT(c->w->u, ch.t0, rv, hv, V) + v0;
+        const float *w = KDA__AT(c->w->w, ch.t0, rk, hv, K), *kg = KDA__AT(c->w->kg, ch.t0, rk, hv, K);
+        for (d = 0; d < K; d++) memcpy(h + (size_t)d * V + v0, S + (size_t)d * KDA__VBLK, sizeof(float) * vw);
+        for (i = 0; i < ch.n; i++) memcpy(vn + (size_t)i * rv, u + (size_t)i * rv, sizeof(float) * vw);
+        kda__mm(ch.n, vw, K, -1.0f, w, (int)rk, 0, S, KDA__VBLK, 1, vn, (int)rv);
+        kda__vexp2d(el, KDA__AT(c->w->G, ch.t0 + ch.n - 1, rk, hv, K), NULL, 1.0f, K);
+        for (d = 0; d < K; d++)
+            for (v = 0; v < vw; v++) S[(size_t)d * KDA__VBLK + v] *= el[d];
+        kda__transpose(ch.n, K, kg, (int)rk, kgT, BT);
+        kda__mm(K, vw, ch.n, 1.0f, kgT, BT, 0, vn, (int)rv, 1, S, KDA__VBLK);
+    }
+    if (c->ht)
+        for (d = 0; d < K; d++)
+            for (v = 0; v < vw; v++) c->ht[kda__sidx(c->p, sidx, d, v0 + v)] = S[(size_t)d * KDA__VBLK + v];
+}
+
+/* ---- stage 6: output ---- */
+static void kda__output_task(void *arg, long long item, float *scratch) {
+    kda__cpu *c = (kda__cpu *)arg;
+    kda__chunk ch = kda__chunk_at(c->p, &c->s, item / c->HV);
+    int hv = (int)(item % c->HV), K = c->K, V = c->V, BT = c->BT, i;
+    size_t rk = KDA__RK(c), rv = KDA__RV(c), rb = KDA__RB(c);
+    float *o = scratch;
+    kda__mm(ch.n, V, K, c->scale, KDA__AT(c->w->qg, ch.t0, rk, hv, K), (int)rk, 0,
+            c->w->h + ((size_t)ch.gc * c->HV + hv) * K * V, V, 0, o, V);
+    kda__mm(ch.n, V, ch.n, 1.0f, KDA__AT(c->w->Aqk, ch.t0, rb, hv, BT), (int)rb, 1,
+            KDA__AT(c->w->vn, ch.t0, rv, hv, V), (int)rv, 1, o, V);
+    for (i = 0; i < ch.n; i++)
+        kda__st_row(c->out, c->p->dtype, ((size_t)(ch.t0 + i) * c->HV + hv) * V, o + (size_t)i * V, V);
+}
+
+/* ---- B1: dAqk, dvl ---- */
+static void kda__dAv_task(void *arg, long long item, float *scratch) {
+    kda__cpu *c = (kda__cpu *)arg;
+    kda__chunk ch = kda__chunk_at(c->p, &c->s, item / c->HV);
+    int hv = (int)(item % c->HV), V = c->V, BT = c->BT, n = ch.n, i, j;
+    size_t rv = KDA__RV(c), rb = KDA__RB(c);
+    float *dol = scratch, *vnT = dol + (size_t)BT * V, *AT = vnT + (size_t)V * BT, *dA = AT + (size_t)BT * BT;
+    for (i = 0; i < n; i++)
+        kda__ld_row(dol + (size_t)i * V, c->dout, c->p->dtype, ((size_t)(ch.t0 + i) * c->HV + hv) * V, V);
+    kda__transpose(n, V, KDA__AT(c->w->vn, ch.t0, rv, hv, V), (int)rv, vnT, BT);
+    kda__mm(n, n, V, c->scale, dol, V, 0, vnT, BT, 0, dA, BT);
+    for (i = 0; i < n; i++) {
+        float *out = KDA__AT(c->w->dAqk, ch.t0 + i, rb, hv, BT);
+        for (j = 0; j < BT; j++) out[j] = j <= i ? dA[(size_t)i * BT + j] : 0.0f;
+    }
+    kda__transpose(n, n, KDA__AT(c->w->Aqk, ch.t0, rb, hv, BT), (int)rb, AT, BT);
+    kda__mm(n, V, n, 1.0f, AT, BT, 0, dol, V, 0, KDA__AT(c->w->dvl, ch.t0, rv, hv, V), (int)rv);
+}
+
+/* ---- B2: reverse scan for dh, dv2, dh0 ---- */
+static void kda__dhu_task(void *arg, long long item, float *scratch) {
+    kda__cpu *c = (kda__cpu *)arg;
+    int nvb = (c->V + KDA__VBLK - 1) / KDA__VBLK, K = c->K, V = c->V, BT = c->BT;
+    int vb = (int)(item % nvb), hv = (int)((item / nvb) % c->HV), sq = (int)(item / nvb / c->HV);
+    int v0 = vb * KDA__VBLK, vw = V - v0 < KDA__VBLK ? V - v0 : KDA__VBLK, d, v, i;
+    size_t rk = KDA__RK(c), rv = KDA__RV(c);
+    float *dS = scratch, *tT = dS + (size_t)K * KDA__VBLK, *el = tT + (size_t)K * BT, *dol = el + K;
+    long long gc, sidx = (long long)sq * c->HV + hv;
+    for (d = 0; d < K; d++)
+        for (v = 0; v < vw; v++)
+            dS[(size_t)d * KDA__VBLK + v] = c->dht ? c->dht[kda__sidx(c->p, sidx, d, v0 + v)] : 0.0f;
+    for (gc = c->s.chunk0[sq + 1] - 1; gc >= c->s.chunk0[sq]; gc--) {
+        kda__chunk ch = kda__chunk_at(c->p, &c->s, gc);
+        float *dh = c->w->dh + ((size_t)gc * c->HV + hv) * K * V;
+        float *dv2 = KDA__AT(c->w->dv2, ch.t0, rv, hv, V) + v0;
+        const float *dvl = KDA__AT(c->w->dvl, ch.t0, rv, hv, V) + v0;
+        for (d = 0; d < K; d++) memcpy(dh + (size_t)d * V + v0, dS + (size_t)d * KDA__VBLK, sizeof(float) * vw);
+        for (i = 0; i < ch.n; i++) memcpy(dv2 + (size_t)i * rv, dvl + (size_t)i * rv, sizeof(float) * vw);
+        kda__mm(ch.n, vw, K, 1.0f, KDA__AT(c->w->kg, ch.t0, rk, hv, K), (int)rk, 0, dS, KDA__VBLK, 1, dv2, (int)rv);
+        kda__vexp2d(el, KDA__AT(c->w->G, ch.t0 + ch.n - 1, rk, hv, K), NULL, 1.0f, K);
+        for (d = 0; d < K; d++)
+            for (v = 0; v < vw; v++) dS[(size_t)d * KDA__VBLK + v] *= el[d];
+        for (i = 0; i < ch.n; i++)
+            kda__ld_row(dol + (size_t)i * KDA__VBLK, c->dout, c->p->dtype,
+                        ((size_t)(ch.t0 + i) * c->HV + hv) * V + v0, vw);
+        kda__transpose(ch.n, K, KDA__AT(c->w->qg, ch.t0, rk, hv, K), (int)rk, tT, BT);
+        kda__mm(K, vw, ch.n, c->scale, tT, BT, 0, dol, KDA__VBLK, 1, dS, KDA__VBLK);
+        kda__transpose(ch.n, K, KDA__AT(c->w->w, ch.t0, rk, hv, K), (int)rk, tT, BT);
+        kda__mm(K, vw, ch.n, -1.0f, tT, BT, 0, dv2, (int)rv, 1, dS, KDA__VBLK);
+    }
+    if (c->dh0)
+        for (d = 0; d < K; d++)
+            for (v = 0; v < vw; v++) c->dh0[kda__sidx(c->p, sidx, d, v0 + v)] = dS[(size_t)d * KDA__VBLK + v];
+}
+
+/* ---- B3: inter-chunk gradients and the WY backward ---- */
+static void kda__wy_task(void *arg, long long item, float *scratch) {
+    kda__cpu *c = (kda__cpu *)arg;
+    kda__chunk ch = kda__chunk_at(c->p, &c->s, item / c->HV);
+    int hv = (int)(item % c->HV), h = hv / c->G, K = c->K, V = c->V, BT = c->BT, n = ch.n, i, j, d;
+    size_t rq = KDA__RQ(c), rk = KDA__RK(c), rv = KDA__RV(c), rb = KDA__RB(c);
+    const float *q = KDA__AT(c->w->qn, ch.t0, rq, h, K), *k = KDA__AT(c->w->kn, ch.t0, rq, h, K);
+    const double *G = KDA__AT(c->w->G, ch.t0, rk, hv, K), *gl = G + (size_t)(n - 1) * rk;
+    const float *beta = c->w->beta + (size_t)ch.t0 * c->HV + hv;
+    const float *S0 = c->w->h + ((size_t)ch.gc * c->HV + hv) * K * V;
+    const float *dS1 = c->w->dh + ((size_t)ch.gc * c->HV + hv) * K * V;
+    const float *dv2 = KDA__AT(c->w->dv2, ch.t0, rv, hv, V), *vn = KDA__AT(c->w->vn, ch.t0, rv, hv, V);
+    float *S0T = scratch, *dS1T = S0T + (size_t)V * K, *dol = dS1T + (size_t)V * K, *vl = dol + (size_t)BT * V;
+    float *E = vl + (size_t)BT * V, *dq = E + (size_t)BT * K, *dks = dq + (size_t)BT * K, *dw = dks + (size_t)BT * K;
+    float *kbE = dw + (size_t)BT * K, *dkb = kbE + (size_t)BT * K, *vbT = dkb + (size_t)BT * K;
+    float *kbET = vbT + (size_t)V * BT, *dM = kbET + (size_t)K * BT, *MT = dM + (size_t)BT * BT;
+    float *Y = MT + (size_t)BT * BT, *Z = Y + (size_t)BT * BT, *dbv = Z + (size_t)BT * BT, *e = dbv + (size_t)BT * V;
+    float *dbeta = e + K;
+    double *extra = (double *)(void *)(((uintptr_t)(dbeta + BT) + 7) & ~(uintptr_t)7);
+    kda__transpose(K, V, S0, V, S0T, K);
+    kda__transpose(K, V, dS1, V, dS1T, K);
+    for (i = 0; i < n; i++) {
+        size_t vo = ((size_t)(ch.t0 + i) * c->HV + hv) * V;
+        kda__ld_row(dol + (size_t)i * V, c->dout, c->p->dtype, vo, V);
+        kda__ld_row(vl + (size_t)i * V, c->in->v, c->p->dtype, vo, V);
+        kda__vexp2d(E + (size_t)i * K, G + (size_t)i * rk, NULL, 1.0f, K);
+    }
+    /* dq = scale E (do S0^T);  dks = exp(Gl - G) (vn dS1^T);  dw = -dv2 S0^T */
+    kda__mm(n, K, V, c->scale, dol, V, 0, S0T, K, 0, dq, K);
+    kda__mm(n, K, V, 1.0f, vn, (int)rv, 0, dS1T, K, 0, dks, K);
+    kda__mm(n, K, V, -1.0f, dv2, (int)rv, 0, S0T, K, 0, dw, K);
+    kda__vexp2d(e, gl, NULL, 1.0f, K);
+    for (d = 0; d < K; d++) extra[d] = (double)e[d] * kda__dot(S0 + (size_t)d * V, dS1 + (size_t)d * V, V);
+    for (i = 0; i < n; i++) {
+        float b = beta[(size_t)i * c->HV];
+        kda__mul(dq + (size_t)i * K, E + (size_t)i * K, K);
+        kda__vexp2d(e, gl, G + (size_t)i * rk, 1.0f, K);
+        kda__mul(dks + (size_t)i * K, e, K);
+        for (d = 0; d < K; d++) {
+            extra[d] += (double)k[(size_t)i * rq + d] * dks[(size_t)i * K + d];
+            kbE[(size_t)i * K + d] = b * k[(size_t)i * rq + d] * E[(size_t)i * K + d];
+        }
+        for (d = 0; d < V; d++) vbT[(size_t)d * BT + i] = b * vl[(size_t)i * V + d];
+    }
+    /* dM = dv2 (beta v)^T + dw (beta k E)^T */
+    kda__transpose(n, K, kbE, K, kbET, BT);
+    kda__mm(n, n, V, 1.0f, dv2, (int)rv, 0, vbT, BT, 0, dM, BT);
+    kda__mm(n, n, K, 1.0f, dw, K, 0, kbET, BT, 1, dM, BT);
+    kda__transpose(n, n, KDA__AT(c->w->M, ch.t0, rb, hv, BT), (int)rb, MT, BT);
+    /* through u = M (beta v): dv = beta (M^T dv2), dbeta += (M^T dv2) . v */
+    kda__mm(n, V, n, 1.0f, MT, BT, 0, dv2, (int)rv, 0, dbv, V);
+    for (i = 0; i < n; i++) {
+        float b = beta[(size_t)i * c->HV];
+        dbeta[i] = kda__dot(dbv + (size_t)i * V, vl + (size_t)i * V, V);
+        for (d = 0; d < V; d++) dbv[(size_t)i * V + d] *= b;
+        if (c->out) kda__st_row(c->out, c->p->dtype, ((size_t)(ch.t0 + i) * c->HV + hv) * V, dbv + (size_t)i * V, V);
+    }
+    /* through w = M (beta k E) */
+    kda__mm(n, K, n, 1.0f, MT, BT, 0, dw, K, 0, dkb, K);
+    for (i = 0; i < n; i++) {
+        float b = beta[(size_t)i * c->HV];
+        const float *ki = k + (size_t)i * rq, *qi = q + (size_t)i * rq, *Ei = E + (size_t)i * K;
+        double *dGi = KDA__AT(c->w->dG, ch.t0 + i, rk, hv, K);
+        float *dki = KDA__AT(c->w->dkh, ch.t0 + i, rk, hv, K);
+        float *dkbi = dkb + (size_t)i * K, *dksi = dks + (size_t)i * K, *dqi = dq + (size_t)i * K;
+        dbeta[i] += kda__dot3(dkbi, ki, Ei, K);
+        for (d = 0; d < K; d++) {
+            float t = b * dkbi[d] * Ei[d];
+            dki[d] = dksi[d] + t;
+            dGi[d] = (double)qi[d] * dqi[d] - (double)ki[d] * dksi[d] + (double)t * ki[d];
+        }
+        if (i == n - 1) for (d = 0; d < K; d++) dGi[d] += extra[d];
+        memcpy(KDA__AT(c->w->dqh, ch.t0 + i, rk, hv, K), dqi, sizeof(float) * K);
+        c->w->dbeta[(size_t)(ch.t0 + i) * c->HV + hv] = dbeta[i];
+    }
+    /* dL = -strict_lower(M^T strict_lower(dM) M^T) */
+    for (i = 0; i < n; i++)
+        for (j = i; j < n; j++) dM[(size_t)i * BT + j] = 0.0f;
+    kda__mm(n, n, n, 1.0f, MT, BT, 0, dM, BT, 0, Y, BT);
+    kda__mm(n, n, n, -1.0f, Y, BT, 0, MT, BT, 0, Z, BT);
+    for (i = 0; i < n; i++) {
+        float *out = KDA__AT(c->w->dL, ch.t0 + i, rb, hv, BT);
+        for (j = 0; j < BT; j++) out[j] = j < i ? Z[(size_t)i * BT + j] : 0.0f;
+    }
+}
+
+/* ---- B4: intra-chunk backward through Aqk and L ----
+ * Same 16-row blocking and exponent references as stage 2. */
+static void kda__bintra_task(void *arg, long long item, float *scratch) {
+    kda__cpu *c = (kda__cpu *)arg;
+    kda__chunk ch = kda__chunk_at(c->p, &c->s, item / c->HV);
+    int hv = (int)(item % c->HV), h = hv / c->G, K = c->K, BT = c->BT, n = ch.n;
+    int nsub = (n + KDA__BC - 1) / KDA__BC, I, J, i, j, d;
+    size_t rq = KDA__RQ(c), rk = KDA__RK(c), rb = KDA__RB(c), BK = (size_t)BT * K;
+    const float *q = KDA__AT(c->w->qn, ch.t0, rq, h, K), *k = KDA__AT(c->w->kn, ch.t0, rq, h, K);
+    const double *G = KDA__AT(c->w->G, ch.t0, rk, hv, K);
+    const float *beta = c->w->beta + (size_t)ch.t0 * c->HV + hv;
+    const float *dA = KDA__AT(c->w->dAqk, ch.t0, rb, hv, BT), *dL = KDA__AT(c->w->dL, ch.t0, rb, hv, BT);
+    float *rq_ = scratch, *rk_ = rq_ + BK, *cq = rk_ + BK, *ck = cq + BK;
+    float *qe = ck + BK, *bke = qe + BK, *kb = bke + BK, *tmp = kb + BK, *tmp2 = tmp + (size_t)KDA__BC * K;
+    float *dAT = tmp2 + (size_t)KDA__BC * K, *dLT = dAT + KDA__BC * KDA__BC, *f = dLT + KDA__BC * KDA__BC;
+    float *e = f + K, *x = e + K, *y = x + K;
+    double *tr = (double *)(void *)(((uintptr_t)(y + K) + 7) & ~(uintptr_t)7); /* [BT,K] dG transfer */
+    memset(rq_, 0, sizeof(float) * BK * 4);
+    memset(tr, 0, sizeof(double) * BK);
+    /* qe, bke relative to the first row of their block; kb relative to the last row */
+    for (I = 0; I < nsub; I++) {
+        int i0 = I * KDA__BC, i1 = i0 + KDA__BC < n ? i0 + KDA__BC : n;
+        for (i = i0; i < i1; i++) {
+            float b = beta[(size_t)i * c->HV];
+            kda__vexp2d(e, G + (size_t)i * rk, G + (size_t)i0 * rk, 1.0f, K);
+            for (d = 0; d < K; d++) {
+                qe[(size_t)i * K + d] = q[(size_t)i * rq + d] * e[d];
+                bke[(size_t)i * K + d] = b * k[(size_t)i * rq + d] * e[d];
+            }
+            kda__vexp2d(e, G + (size_t)(i1 - 1) * rk, G + (size_t)i * rk, 1.0f, K);
+            for (d = 0; d < K; d++) kb[(size_t)i * K + d] = k[(size_t)i * rq + d] * e[d];
+        }
+    }
+    /* off-diagonal blocks, accumulated before the final per-row factor */
+    for (I = 1; I < nsub; I++) {
+        int i0 = I * KDA__BC, ni = i0 + KDA__BC < n ? KDA__BC : n - i0;
+        for (J = 0; J < I; J++) {
+            int j0 = J * KDA__BC;
+            kda__vexp2d(f, G + (size_t)i0 * rk, G + (size_t)(j0 + KDA__BC - 1) * rk, 1.0f, K);
+            for (j = 0; j < KDA__BC; j++)
+                for (d = 0; d < K; d++) tmp[(size_t)j * K + d] = kb[(size_t)(j0 + j) * K + d] * f[d];
+            kda__mm(ni, K, KDA__BC, 1.0f, dA + (size_t)i0 * rb + j0, (int)rb, 0, tmp, K, 1, rq_ + (size_t)i0 * K, K);
+            kda__mm(ni, K, KDA__BC, 1.0f, dL + (size_t)i0 * rb + j0, (int)rb, 0, tmp, K, 1, rk_ + (size_t)i0 * K, K);
+            kda__transpose(ni, KDA__BC, dA + (size_t)i0 * rb + j0, (int)rb, dAT, KDA__BC);
+            kda__transpose(ni, KDA__BC, dL + (size_t)i0 * rb + j0, (int)rb, dLT, KDA__BC);
+            for (i = 0; i < ni; i++)
+                for (d = 0; d < K; d++) {
+                    tmp[(size_t)i * K + d] = qe[(size_t)(i0 + i) * K + d] * f[d];
+                    tmp2[(size_t)i * K + d] = bke[(size_t)(i0 + i) * K + d] * f[d];
+                }
+            kda__mm(KDA__BC, K, ni, 1.0f, dAT, KDA__BC, 0, tmp, K, 1, cq + (size_t)j0 * K, K);
+            kda__mm(KDA__BC, K, ni, 1.0f, dLT, KDA__BC, 0, tmp2, K, 1, ck + (size_t)j0 * K, K);
+            /* dG transfer of each pair, computed once: + at row i, - at row j. With
+             * the same value on both sides the reverse cumsum cancels it exactly
+             * for rows <= j; through rq/cq it would cancel only to fp32 rounding. */
+            for (i = 0; i < ni; i++) {
+                const float *qa = tmp + (size_t)i * K, *ka = tmp2 + (size_t)i * K; /* q e_i f, beta k e_i f */
+                double *tri = tr + (size_t)(i0 + i) * K;
+                for (j = 0; j < KDA__BC; j++) {
+                    float a = dA[(size_t)(i0 + i) * rb + j0 + j], l = dL[(size_t)(i0 + i) * rb + j0 + j];
+                    const float *kj = kb + (size_t)(j0 + j) * K;
+                    double *trj = tr + (size_t)(j0 + j) * K;
+                    for (d = 0; d < K; d++) {
+                        float cij = (a * qa[d] + l * ka[d]) * kj[d];
+                        tri[d] += cij;
+                        trj[d] -= cij;
+                    }
+                }
+            }
+        }
+    }
+    for (i = 0; i < n; i++) {
+        int i0 = (i / KDA__BC) * KDA__BC, i1 = i0 + KDA__BC < n ? i0 + KDA__BC : n;
+        kda__vexp2d(e, G + (size_t)i * rk, G + (size_t)i0 * rk, 1.0f, K);
+        kda__mul(rq_ + (size_t)i * K, e, K);
+        kda__mul(rk_ + (size_t)i * K, e, K);
+        kda__vexp2d(e, G + (size_t)(i1 - 1) * rk, G + (size_t)i * rk, 1.0f, K);
+        kda__mul(cq + (size_t)i * K, e, K);
+        kda__mul(ck + (size_t)i * K, e, K);
+    }
+    /* diagonal blocks: exact per-pair exponents */
+    for (i = 0; i < n; i++) {
+        int i0 = (i / KDA__BC) * KDA__BC;
+        float bi = beta[(size_t)i * c->HV];
+        const float *qi = q + (size_t)i * rq, *ki = k + (size_t)i * rq;
+        for (j = i0; j <= i; j++) {
+            float a = dA[(size_t)i * rb + j], l = j < i ? dL[(size_t)i * rb + j] : 0.0f;
+            const float *kj = k + (size_t)j * rq;
+            kda__vexp2d(e, G + (size_t)i * rk, G + (size_t)j * rk, 1.0f, K);
+            for (d = 0; d < K; d++) x[d] = kj[d] * e[d];
+            kda__axpy(rq_ + (size_t)i * K, a, x, K);
+            kda__axpy(rk_ + (size_t)i * K, l, x, K);
+            if (j < i) { /* the diagonal pair's transfer is + and - at the same row: none */
+                double *tri = tr + (size_t)i * K, *trj = tr + (size_t)j * K;
+                for (d = 0; d < K; d++) {
+                    float cij = (a * qi[d] + l * bi * ki[d]) * x[d];
+                    tri[d] += cij;
+                    trj[d] -= cij;
+                }
+            }
+            for (d = 0; d < K; d++) y[d] = qi[d] * e[d];
+            kda__axpy(cq + (size_t)j * K, a, y, K);
+            for (d = 0; d < K; d++) y[d] = ki[d] * e[d];
+            kda__axpy(ck + (size_t)j * K, l * bi, y, K);
+        }
+    }
+    for (i = 0; i < n; i++) {
+        float bi = beta[(size_t)i * c->HV];
+        const float *ki = k + (size_t)i * rq;
+        const float *rqi = rq_ + (size_t)i * K, *rki = rk_ + (size_t)i * K;
+        const double *tri = tr + (size_t)i * K;
+        const float *cqi = cq + (size_t)i * K, *cki = ck + (size_t)i * K;
+        float *dq = KDA__AT(c->w->dqh, ch.t0 + i, rk, hv, K), *dk = KDA__AT(c->w->dkh, ch.t0 + i, rk, hv, K);
+        double *dG = KDA__AT(c->w->dG, ch.t0 + i, rk, hv, K);
+        c->w->dbeta[(size_t)(ch.t0 + i) * c->HV + hv] += kda__dot(ki, rki, K);
+        for (d = 0; d < K; d++) {
+            float cc = cqi[d] + cki[d];
+            dq[d] += rqi[d];
+            dk[d] += bi * rki[d] + cc;
+            dG[d] += tri[d];
+        }
+    }
+}
+
+/* ---- B5: dgate = reverse chunk cumsum of dG ---- */
+static void kda__rcumsum_task(void *arg, long long item, float *scratch) {
+    kda__cpu *c = (kda__cpu *)arg;
+    kda__chunk ch = kda__chunk_at(c->p, &c->s, item / c->HV);
+    int hv = (int)(item % c->HV), K = c->K, i, d;
+    size_t rk = KDA__RK(c);
+    double *acc = (double *)scratch;
+    for (d = 0; d < K; d++) acc[d] = 0.0;
+    for (i = ch.n - 1; i >= 0; i--) {
+        const double *dG = KDA__AT(c->w->dG, ch.t0 + i, rk, hv, K);
+        float *out = KDA__AT(c->w->dgate, ch.t0 + i, rk, hv, K);
+        for (d = 0; d < K; d++) { acc[d] += dG[d]; out[d] = (float)acc[d]; }
+    }
+}
+
+/* ---- B6: gate backward, one task per value head (it owns dA_log[hv], ddt_bias[hv]) ---- */
+static void kda__bgate_task(void *arg, long long item, float *scratch) {
+    kda__cpu *c = (kda__cpu *)arg;
+    const kda_problem *p = c->p;
+    const kda_inputs *in = c->in;
+    int hv = (int)item, K = c->K, d;
+    long long r, rows = (long long)p->B * p->T;
+    double *dbias = (double *)scratch, dA = 0.0;
+    double A = in->A_log ? exp((double)in->A_log[hv]) : 1.0;
+    for (d = 0; d < K; d++) dbias[d] = 0.0;
+    for (r = 0; r < rows; r++) {
+        size_t off = ((size_t)r * c->HV + hv) * K;
+        for (d = 0; d < K; d++) {
+            double dy = c->w->dgate[off + d], dx = dy;
+            if (p->gate != KDA_GATE_NONE) {
+                double z = (double)kda__ld(in->g, p->g_dtype, off + d) + (in->dt_bias ? in->dt_bias[(size_t)hv * K + d] : 0.0);
+                if (p->gate == KDA_GATE_SOFTPLUS) {
+                    double sp = z > 20.0 ? z : log1p(exp(z));
+                    dx = -A * dy / (1.0 + exp(-z));
+                    dA += dy * (-A * sp);
+                } else {
+                    double s = 1.0 / (1.0 + exp(-A * z));
+                    dx = dy * p->lower_bound * s * (1.0 - s) * A;
+                    dA += dx * z;
+                }
+                dbias[d] += dx;
+            }
+            if (c->out) kda__st(c->out, p->g_dtype, off + d, (float)dx);
+        }
+    }
+    if (c->dA_log) c->dA_log[hv] = (p->gate == KDA_GATE_LOWER_BOUND && !in->A_log) ? 0.0f : (float)dA;
+    if (c->ddt_bias)
+        for (d = 0; d < K; d++) c->ddt_bias[(size_t)hv * K + d] = (float)dbias[d];
+}
+
+/* ---- B7: GVA sum of dq, dk; dbeta through the sigmoid ---- */
+static void kda__gva_task(void *arg, long long item, float *scratch) {
+    kda__cpu *c = (kda__cpu *)arg;
+    long long rows = (long long)c->p->B * c->p->T, r0 = item * KDA__ROWBLK, r;
+    int h, g, d, K = c->K;
+    (void)scratch;
+    for (r = r0; r < rows && r < r0 + KDA__ROWBLK; r++)
+        for (h = 0; h < c->H; h++) {
+            float *dq = c->w->dqn + ((size_t)r * c->H + h) * K, *dk = c->w->dkn + ((size_t)r * c->H + h) * K;
+            for (d = 0; d < K; d++) dq[d] = dk[d] = 0.0f;
+            for (g = 0; g < c->G; g++) {
+                const float *sq = KDA__AT(c->w->dqh, r, KDA__RK(c), h * c->G + g, K);
+                const float *sk = KDA__AT(c->w->dkh, r, KDA__RK(c), h * c->G + g, K);
+                for (d = 0; d < K; d++) { dq[d] += sq[d]; dk[d] += sk[d]; }
+            }
+        }
+}
+static void kda__dbeta_task(void *arg, long long item, float *scratch) {
+    kda__cpu *c = (kda__cpu *)arg;
+    size_t n = (size_t)c->p->B * c->p->T * c->HV, i0 = (size_t)item * 4096, i;
+    (void)scratch;
+    for (i = i0; i < n && i < i0 + 4096; i++) {
+        float db = c->w->dbeta[i];
+        if (c->p->beta_sigmoid) {
+            float s = kda__sigmoid(kda__ld(c->in->beta, c->p->beta_dtype, i));
+            db *= (c->p->allow_neg_eigval ? 2.0f : 1.0f) * s * (1.0f - s);
+        }
+        kda__st(c->out, c->p->beta_dtype, i, db);
+    }
+}
+
+/* l2norm backward over rows: dx = rstd (dy - (dy . y) y), or dx = dy when rstd is NULL */
+typedef struct { long long rows; int D; const float *y, *rstd, *dy; void *dx; kda_dtype t; } kda__l2bjob;
+static void kda__l2b_task(void *arg, long long item, float *scratch) {
+    const kda__l2bjob *j = (const kda__l2bjob *)arg;
+    long long r0 = item * KDA__ROWBLK, r;
+    int d;
+    for (r = r0; r < j->rows && r < r0 + KDA__ROWBLK; r++) {
+        const float *dy = j->dy + (size_t)r * j->D;
+        if (j->rstd) {
+            const float *y = j->y + (size_t)r * j->D;
+            float dot = kda__dot(dy, y, j->D), rs = j->rstd[r];
+            for (d = 0; d < j->D; d++) scratch[d] = rs * (dy[d] - dot * y[d]);
+            kda__st_row(j->dx, j->t, (size_t)r * j->D, scratch, j->D);
+        } else {
+            kda__st_row(j->dx, j->t, (size_t)r * j->D, dy, j->D);
+        }
+    }
+}
+static kda_status kda__l2norm_bwd_rows(kda_context *ctx, long long rows, int D, const float *y, const float *rstd,
+                                       const float *dy, void *dx, kda_dtype t) {
+    kda__l2bjob j;
+    if (!dx) return KDA_OK; /* gradient not requested */
+    j.rows = rows; j.D = D; j.y = y; j.rstd = rstd; j.dy = dy; j.dx = dx; j.t = t;
+    return kda__parallel(ctx, (rows + KDA__ROWBLK - 1) / KDA__ROWBLK, kda__l2b_task, &j, (size_t)D,
+                         6.0 * KDA__ROWBLK * D);
+}
+
+/* Recurrence: one task per (sequence, value head), natural exp. */
+static void kda__recurrent_task(void *arg, long long item, float *scratch) {
+    kda__cpu *c = (kda__cpu *)arg;
+    const kda_problem *p = c->p;
+    const kda_inputs *in = c->in;
+    const kda_recurrent_io *io = c->rio;
+    int hv = (int)(item % c->HV), sq = (int)(item / c->HV), h = hv / c->G, K = c->K, V = c->V, d, v;
+    long long t, sidx = (long long)sq * c->HV + hv;
+    float *S = scratch, *qv = S + (size_t)K * V, *kv = qv + K, *ea = kv + K, *e = ea + K, *o = e + V;
+    float *src = NULL, *dst = NULL;
+    if (io->state_pool) {
+        int slot = io->slots[sq];
+        if (slot < 0) return; /* padding: untouched */
+        src = dst = io->state_pool;
+        sidx = (long long)slot * c->HV + hv;
+    } else {
+        src = (float *)in->h0;
+        dst = io->ht;
+    }
+    for (d = 0; d < K; d++)
+        for (v = 0; v < V; v++) S[(size_t)d * V + v] = src ? src[kda__sidx(p, sidx, d, v)] : 0.0f;
+    for (t = c->s.bos[sq]; t < c->s.bos[sq] + c->s.len[sq]; t++) {
+        size_t qo = ((size_t)t * c->H + h) * K, vo = ((size_t)t * c->HV + hv) * V, go = ((size_t)t * c->HV + hv) * K;
+        float b = kda__beta_value(p, kda__ld(in->beta, p->beta_dtype, (size_t)t * c->HV + hv));
+        kda__ld_row(qv, in->q, p->dtype, qo, K);
+        kda__ld_row(kv, in->k, p->dtype, qo, K);
+        if (p->qk_l2norm) {
+            double sq_ = 0.0, sk = 0.0;
+            float rq, rk;
+            for (d = 0; d < K; d++) { sq_ += (double)qv[d] * qv[d]; sk += (double)kv[d] * kv[d]; }
+            rq = (float)(1.0 / sqrt(sq_ + 1e-6));
+            rk = (float)(1.0 / sqrt(sk + 1e-6));
+            for (d = 0; d < K; d++) { qv[d] *= rq; kv[d] *= rk; }
+        }
+        for (d = 0; d < K; d++) {
+            qv[d] *= c->scale;
+            ea[d] = (float)exp(kda__gate_value(p, in, hv, d, (double)kda__ld(in->g, p->g_dtype, go + d)));
+        }
+        /* S <- diag(ea) S;  e = v - S^T k;  S += b k e^T;  o = S^T q */
+        kda__ld_row(e, in->v, p->dtype, vo, V);
+        for (d = 0; d < K; d++) {
+            float *Sd = S + (size_t)d * V;
+            for (v = 0; v < V; v++) Sd[v] *= ea[d];
+            kda__axpy(e, -kv[d], Sd, V);
+        }
+        for (v = 0; v < V; v++) o[v] = 0.0f;
+        for (d = 0; d < K; d++) {
+            float *Sd = S + (size_t)d * V;
+            kda__axpy(Sd, b * kv[d], e, V);
+            kda__axpy(o, qv[d], Sd, V);
+        }
+        kda__st_row(c->out, p->dtype, vo, o, V);
+    }
+    if (dst)
+        for (d = 0; d < K; d++)
+            for (v = 0; v < V; v++) dst[kda__sidx(p, sidx, d, v)] = S[(size_t)d * V + v];
+}
+
+/* --------------------------------------------------- stage drivers (CPU) */
+
+static double kda__chunk_flops(const kda__cpu *c) {
+    return 2.0 * c->BT * ((double)c->K * c->V + (double)c->BT * (c->K + c->V));
+}
+
+static kda_status kda__cpu_stage(kda_context *ctx, kda__cpu *c, int stage) {
+    long long nch = c->s.NT * c->HV, nscan = (long long)c->s.N * c->HV * ((c->V + KDA__VBLK - 1) / KDA__VBLK);
+    size_t BT = (size_t)c->BT, K = (size_t)c->K, V = (size_t)c->V, C = (size_t)KDA__BC;
+    double fl = kda__chunk_flops(c);
+    switch (stage) {
+    case 0: return kda__cpu_prepare(ctx, c);
+    case 1: return kda__parallel(ctx, nch, kda__gate_cumsum_task, c, 2 * K, 30.0 * BT * K);
+    case 2: return kda__parallel(ctx, nch, kda__intra_task, c, 3 * BT * K + K * C + 2 * K + 2 * BT * BT, fl);
+    case 3: return kda__parallel(ctx, nch, kda__solve_task, c, 2 * BT * BT, (double)BT * BT * BT / 3);
+    case 4: return kda__parallel(ctx, nch, kda__wu_task, c, BT * (K + V) + K, fl);
+    case 5: return kda__parallel(ctx, nscan, kda__state_task, c, K * KDA__VBLK + K * BT + K, 1e7);
+    case 6: return kda__parallel(ctx, nch, kda__output_task, c, BT * V, fl);
+    case 11: return kda__parallel(ctx, nch, kda__dAv_task, c, 2 * BT * V + V * BT + 2 * BT * BT, fl);
+    case 12: return kda__parallel(ctx, nscan, kda__dhu_task, c, K * KDA__VBLK + K * BT + K + BT * KDA__VBLK, 1e7);
+    case 13: return kda__parallel(ctx, nch, kda__wy_task, c,
+                                  2 * V * K + 3 * BT * V + 6 * BT * K + V * BT + K * BT + 4 * BT * BT + 3 * K + BT + 2, fl);
+    case 14: return kda__parallel(ctx, nch, kda__bintra_task, c, 9 * BT * K + 2 * C * K + 2 * C * C + 4 * K + 2, fl);
+    case 15: return kda__parallel(ctx, nch, kda__rcumsum_task, c, 2 * K, 2.0 * BT * K);
+    case 16: return kda__parallel(ctx, c->HV, kda__bgate_task, c, 2 * K, 30.0 * c->p->B * c->p->T * K);
+    }
+    return kda__fail(ctx, KDA_ERROR_INTERNAL, "unknown stage %d", stage);
+}
+
+static kda_status kda__cpu_bwd_qkb(kda_context *ctx, kda__cpu *c, void *dq, void *dk, void *dbeta) {
+    const kda_problem *p = c->p;
+    long long rows = (long long)p->B * p->T, nrb = (rows + KDA__ROWBLK - 1) / KDA__ROWBLK;
+    kda_status s;
+    if ((s = kda__parallel(ctx, nrb, kda__gva_task, c, 0, (double)KDA__ROWBLK * p->HV * p->K))) return s;
+    if ((s = kda__l2norm_bwd_rows(ctx, rows * p->H, p->K, c->w->qn, c->w->rstd_q, c->w->dqn, dq, p->dtype))) return s;
+    if ((s = kda__l2norm_bwd_rows(ctx, rows * p->H, p->K, c->w->kn, c->w->rstd_k, c->w->dkn, dk, p->dtype))) return s;
+    c->out = dbeta;
+    if (!dbeta) return KDA_OK;
+    return kda__parallel(ctx, (rows * p->HV + 4095) / 4096, kda__dbeta_task, c, 0, 4096.0 * 20);
+}
+
+/* ------------------------------------------------------ public stage API */
+
+/* The kda_work fields each stage reads or writes. */
+static kda_status kda__stage_needs(kda_context *ctx, const kda_problem *p, const kda_work *w, int stage) {
+    const char *name = "?";
+#define KDA__NEED(f)                                                                                  \
+    if (!w->f) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "work." #f " is NULL; stage %s needs it " \
+                                "(carve it with kda_work_layout)", name)
+    if (!w) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "work: NULL pointer");
+    switch (stage) {
+    case 0: name = "prepare"; KDA__NEED(qn); KDA__NEED(kn); KDA__NEED(beta);
+        if (p->qk_l2norm) { KDA__NEED(rstd_q); KDA__NEED(rstd_k); }
+        break;
+    case 1: name = "gate_cumsum"; KDA__NEED(G); break;
+    case 2: name = "intra"; KDA__NEED(qn); KDA__NEED(kn); KDA__NEED(beta); KDA__NEED(G); KDA__NEED(Aqk); KDA__NEED(L); break;
+    case 3: name = "solve"; KDA__NEED(L); KDA__NEED(M); break;
+    case 4: name = "wu"; KDA__NEED(M); KDA__NEED(qn); KDA__NEED(kn); KDA__NEED(beta); KDA__NEED(G);
+        KDA__NEED(w); KDA__NEED(u); KDA__NEED(kg); KDA__NEED(qg); break;
+    case 5: name = "state"; KDA__NEED(w); KDA__NEED(u); KDA__NEED(kg); KDA__NEED(G); KDA__NEED(h); KDA__NEED(vn); break;
+    case 6: name = "output"; KDA__NEED(qg); KDA__NEED(h); KDA__NEED(Aqk); KDA__NEED(vn); break;
+    case 11: name = "bwd_dAv"; KDA__NEED(vn); KDA__NEED(Aqk); KDA__NEED(dAqk); KDA__NEED(dvl); break;
+    case 12: name = "bwd_dhu"; KDA__NEED(qg); KDA__NEED(kg); KDA__NEED(w); KDA__NEED(G); KDA__NEED(dvl);
+        KDA__NEED(dh); KDA__NEED(dv2); break;
+    case 13: name = "bwd_wy"; KDA__NEED(qn); KDA__NEED(kn); KDA__NEED(G); KDA__NEED(beta); KDA__NEED(h);
+        KDA__NEED(dh); KDA__NEED(dv2); KDA__NEED(vn); KDA__NEED(M); KDA__NEED(dqh); KDA__NEED(dkh);
+        KDA__NEED(dG); KDA__NEED(dL); KDA__NEED(dbeta); break;
+    case 14: name = "bwd_intra"; KDA__NEED(qn); KDA__NEED(kn); KDA__NEED(G); KDA__NEED(beta); KDA__NEED(dAqk);
+        KDA__NEED(dL); KDA__NEED(dqh); KDA__NEED(dkh); KDA__NEED(dG); KDA__NEED(dbeta); break;
+    case 15: name = "bwd_cumsum"; KDA__NEED(dG); KDA__NEED(dgate); break;
+    case 16: name = "bwd_gate"; KDA__NEED(dgate); break;
+    case 17: name = "bwd_qkb"; KDA__NEED(dqh); KDA__NEED(dkh); KDA__NEED(dqn); KDA__NEED(dkn); KDA__NEED(qn);
+        KDA__NEED(kn); KDA__NEED(dbeta);
+        if (p->qk_l2norm) { KDA__NEED(rstd_q); KDA__NEED(rstd_k); }
+        break;
+    }
+#undef KDA__NEED
+    return KDA_OK;
+}
+
+static kda_status kda__backend_cpu_only(kda_context *ctx) {
+    if (ctx->backend == KDA_BACKEND_CPU) return KDA_OK;
+    return kda__fail(ctx, KDA_ERROR_UNSUPPORTED, "this operation is not implemented for the CUDA backend yet");
+}
+
+/* Validates and runs one stage on its own. */
+static kda_status kda__stage_run(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w,
+                                 int stage, kda__cpu *c) {
+    kda_status s;
+    if (!ctx) return KDA_ERROR_INVALID_ARGUMENT;
+    ctx->err[0] = 0;
+    if ((s = kda__check_problem(ctx, p)) || (s = kda__check_inputs(ctx, p, in, 1)) ||
+        (s = kda__stage_needs(ctx, p, w, stage)) || (s = kda__backend_cpu_only(ctx)))
+        return s;
+    kda__cpu_init(c, p, in, w);
+    if ((s = kda__seqs_build(ctx, p, in->cu_seqlens, &c->s))) return s;
+    s = stage == 17 ? kda__cpu_bwd_qkb(ctx, c, c->out, (void *)c->dA_log, (void *)c->ddt_bias)
+                    : kda__cpu_stage(ctx, c, stage);
+    kda__seqs_free(ctx, &c->s);
+    return s;
+}
+
+#define KDA__STAGE_FN(fname, stage)                                                            \
+    kda_status fname(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w) { \
+        kda__cpu c;                                                                            \
+        memset(&c, 0, sizeof c);                                                               \
+        return kda__stage_run(ctx, p, in, w, stage, &c);                                       \
+    }
+KDA__STAGE_FN(kda_stage_prepare, 0)
+KDA__STAGE_FN(kda_stage_gate_cumsum, 1)
+KDA__STAGE_FN(kda_stage_intra, 2)
+KDA__STAGE_FN(kda_stage_solve, 3)
+KDA__STAGE_FN(kda_stage_wu, 4)
+KDA__STAGE_FN(kda_stage_bwd_intra, 14)
+KDA__STAGE_FN(kda_stage_bwd_cumsum, 15)
+#undef KDA__STAGE_FN
+
+kda_status kda_stage_state(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w, float *ht) {
+    kda__cpu c;
+    memset(&c, 0, sizeof c);
+    c.ht = ht;
+    return kda__stage_run(ctx, p, in, w, 5, &c);
+}
+kda_status kda_stage_output(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w, void *o) {
+    kda__cpu c;
+    if (ctx && !o) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "o: NULL pointer");
+    memset(&c, 0, sizeof c);
+    c.out = o;
+    return kda__stage_run(ctx, p, in, w, 6, &c);
+}
+kda_status kda_stage_bwd_dAv(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w,
+                             const void *dout) {
+    kda__cpu c;
+    if (ctx && !dout) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "dout: NULL pointer");
+    memset(&c, 0, sizeof c);
+    c.dout = dout;
+    return kda__stage_run(ctx, p, in, w, 11, &c);
+}
+kda_status kda_stage_bwd_dhu(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w,
+                             const void *dout, const float *dht, float *dh0) {
+    kda__cpu c;
+    if (ctx && !dout) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "dout: NULL pointer");
+    memset(&c, 0, sizeof c);
+    c.dout = dout; c.dht = dht; c.dh0 = dh0;
+    return kda__stage_run(ctx, p, in, w, 12, &c);
+}
+kda_status kda_stage_bwd_wy(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w,
+                            const void *dout, void *dv) {
+    kda__cpu c;
+    if (ctx && !dout) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "dout: NULL pointer");
+    memset(&c, 0, sizeof c);
+    c.dout = dout; c.out = dv;
+    return kda__stage_run(ctx, p, in, w, 13, &c);
+}
+
+static kda_status kda__check_gate_grads(kda_context *ctx, const kda_problem *p, const kda_inputs *in,
+                                        const float *dA_log, const float *ddt_bias) {
+    if (dA_log && p->gate == KDA_GATE_NONE)
+        return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "dA_log requested but gate is KDA_GATE_NONE (no A_log in the op)");
+    if (dA_log && !in->A_log)
+        return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "dA_log requested but inputs.A_log is NULL");
+    if (ddt_bias && p->gate == KDA_GATE_NONE)
+        return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "ddt_bias requested but gate is KDA_GATE_NONE (no dt_bias in the op)");
+    if (ddt_bias && !in->dt_bias)
+        return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "ddt_bias requested but inputs.dt_bias is NULL");
+    return KDA_OK;
+}
+
+kda_status kda_stage_bwd_gate(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w,
+                              void *dg, float *dA_log, float *ddt_bias) {
+    kda__cpu c;
+    kda_status s;
+    if (ctx && in && p && (s = kda__check_gate_grads(ctx, p, in, dA_log, ddt_bias))) return s;
+    memset(&c, 0, sizeof c);
+    c.out = dg; c.dA_log = dA_log; c.ddt_bias = ddt_bias;
+    return kda__stage_run(ctx, p, in, w, 16, &c);
+}
+kda_status kda_stage_bwd_qkb(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w,
+                             void *dq, void *dk, void *dbeta) {
+    kda__cpu c;
+    memset(&c, 0, sizeof c);
+    /* stage 17 passes dq, dk, dbeta through these three fields */
+    c.out = dq; c.dA_log = (float *)dk; c.ddt_bias = (float *)dbeta;
+    return kda__stage_run(ctx, p, in, w, 17, &c);
+}
+
+kda_status kda_l2norm_fwd(kda_context *ctx, long long rows, int D, const void *x, kda_dtype dtype, float *y,
+                          float *rstd) {
+    if (!ctx) return KDA_ERROR_INVALID_ARGUMENT;
+    ctx->err[0] = 0;
+    if (rows < 1 || D < 1) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "l2norm: rows=%lld and D=%d must be >= 1", rows, D);
+    if (!x || !y || !rstd) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "l2norm: x, y and rstd are required");
+    if (!kda__dtype_ok(dtype)) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "l2norm: dtype=%d is not a kda_dtype", (int)dtype);
+    if (kda__backend_cpu_only(ctx)) return KDA_ERROR_UNSUPPORTED;
+    return kda__rows_fwd(ctx, rows, D, x, dtype, y, rstd, 1);
+}
+kda_status kda_l2norm_bwd(kda_context *ctx, long long rows, int D, const float *y, const float *rstd,
+                          const float *dy, void *dx, kda_dtype dtype) {
+    if (!ctx) return KDA_ERROR_INVALID_ARGUMENT;
+    ctx->err[0] = 0;
+    if (rows < 1 || D < 1) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "l2norm_bwd: rows=%lld and D=%d must be >= 1", rows, D);
+    if (!y || !rstd || !dy || !dx) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "l2norm_bwd: y, rstd, dy and dx are required");
+    if (!kda__dtype_ok(dtype)) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "l2norm_bwd: dtype=%d is not a kda_dtype", (int)dtype);
+    if (kda__backend_cpu_only(ctx)) return KDA_ERROR_UNSUPPORTED;
+    return kda__l2norm_bwd_rows(ctx, rows, D, y, rstd, dy, dx, dtype);
+}
+
+/* -------------------------------------------------------------- operations */
+
+/* The context's workspace, or a fresh allocation (owned = 1) when none is set. */
+static kda_status kda__ws_acquire(kda_context *ctx, size_t need, void **ptr, int *owned) {
+    *ptr = NULL;
+    *owned = 0;
+    if (need == 0) return KDA_OK;
+    if (ctx->workspace) {
+        if (ctx->workspace_size < need)
+            return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "workspace: %zu bytes set with kda_set_workspace, this call needs %zu",
+                             ctx->workspace_size, need);
+        *ptr = ctx->workspace;
+        return KDA_OK;
+    }
+    *ptr = kda__alloc(ctx, need);
+    if (!*ptr) return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "cannot allocate a workspace of %zu bytes", need);
+    *owned = 1;
+    return KDA_OK;
+}
+
+static kda_status kda__run_fwd_stages(kda_context *ctx, kda__cpu *c, int last) {
+    kda_status s = KDA_OK;
+    int st;
+    for (st = 0; st <= last && s == KDA_OK; st++) s = kda__cpu_stage(ctx, c, st);
+    return s;
+}
+
+kda_status kda_chunk_fwd(kda_context *ctx, const kda_problem *p, const kda_inputs *in, const kda_fwd_outputs *out) {
+    kda__cpu c;
+    kda_work w;
+    void *ws = NULL;
+    int owned = 0;
+    kda_status s;
+    if (!ctx) return KDA_ERROR_INVALID_ARGUMENT;
+    ctx->err[0] = 0;
+    if ((s = kda__check_problem(ctx, p)) || (s = kda__check_inputs(ctx, p, in, 1))) return s;
+    if (!out || !out->o) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "outputs: o is required");
+    if ((s = kda__backend_cpu_only(ctx))) return s;
+    memset(&w, 0, sizeof w);
+    if (out->saved) kda_work_layout(p, KDA_WORK_FWD, out->saved, &w);
+    else if ((s = kda__ws_acquire(ctx, kda_work_layout(p, KDA_WORK_FWD, NULL, NULL), &ws, &owned))) return s;
+    else kda_work_layout(p, KDA_WORK_FWD, ws, &w);
+    memset(&c, 0, sizeof c);
+    kda__cpu_init(&c, p, in, &w);
+    if ((s = kda__seqs_build(ctx, p, in->cu_seqlens, &c.s))) goto done;
+    c.ht = out->ht;
+    c.out = out->o;
+    s = kda__run_fwd_stages(ctx, &c, 6);
+    if (s == KDA_OK && out->h) { /* intermediate states in the caller's layout */
+        long long i, n = c.s.NT * p->HV;
+        int d, v;
+        for (i = 0; i < n; i++)
+            for (d = 0; d < p->K; d++)
+                for (v = 0; v < p->V; v++)
+                    out->h[kda__sidx(p, i, d, v)] = w.h[((size_t)i * p->K + d) * p->V + v];
+    }
+    kda__seqs_free(ctx, &c.s);
+done:
+    if (owned) kda__free(ctx, ws);
+    return s;
+}
+
+kda_status kda_chunk_bwd(kda_context *ctx, const kda_problem *p, const kda_inputs *in, const kda_bwd_io *io) {
+    kda__cpu c;
+    kda_work w;
+    void *ws = NULL;
+    int owned = 0, st;
+    kda_status s;
+    if (!ctx) return KDA_ERROR_INVALID_ARGUMENT;
+    ctx->err[0] = 0;
+    if ((s = kda__check_problem(ctx, p)) || (s = kda__check_inputs(ctx, p, in, 1))) return s;
+    if (!io || !io->dout) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "bwd: dout (the gradient of o) is required");
+    if ((s = kda__check_gate_grads(ctx, p, in, io->dA_log, io->ddt_bias))) return s;
+    if ((s = kda__backend_cpu_only(ctx))) return s;
+    memset(&w, 0, sizeof w);
+    if ((s = kda__ws_acquire(ctx, kda_bwd_workspace_size(p, io->saved != NULL), &ws, &owned))) return s;
+    if (io->saved) {
+        kda_work_layout(p, KDA_WORK_FWD, (void *)io->saved, &w); /* read only below */
+        kda_work_layout(p, KDA_WORK_BWD, ws, &w);
+    } else {
+        kda_work_layout(p, KDA_WORK_FWD | KDA_WORK_BWD, ws, &w);
+    }
+    memset(&c, 0, sizeof c);
+    kda__cpu_init(&c, p, in, &w);
+    if ((s = kda__seqs_build(ctx, p, in->cu_seqlens, &c.s))) goto done;
+    if (!io->saved) s = kda__run_fwd_stages(ctx, &c, 5); /* recompute; no final state */
+    c.dout = io->dout;
+    c.dht = io->dht;
+    c.dh0 = io->dh0;
+    for (st = 11; st <= 16 && s == KDA_OK; st++) {
+        c.out = st == 13 ? io->dv : io->dg;
+        c.dA_log = io->dA_log;
+        c.ddt_bias = io->ddt_bias;
+        s = kda__cpu_stage(ctx, &c, st);
+    }
+    if (s == KDA_OK) s = kda__cpu_bwd_qkb(ctx, &c, io->dq, io->dk, io->dbeta);
+    kda__seqs_free(ctx, &c.s);
+done:
+    if (owned) kda__free(ctx, ws);
+    return s;
+}
+
+kda_status kda_recurrent_fwd(kda_context *ctx, const kda_problem *p_in, const kda_inputs *in,
+                             const kda_recurrent_io *io) {
+    kda_problem pc;
+    kda__cpu c;
+    kda_status s;
+    int n;
+    if (!ctx) return KDA_ERROR_INVALID_ARGUMENT;
+    ctx->err[0] = 0;
+    if (!p_in) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "problem: NULL pointer");
+    pc = *p_in;
+    pc.chunk_size = 64; /* not used by the recurrence */
+    if ((s = kda__check_problem(ctx, &pc))) return s;
+    if (!io || !io->o) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: o is required");
+    if ((s = kda__check_inputs(ctx, &pc, in, io->state_pool == NULL))) return s;
+    if (io->state_pool) {
+        int N = kda_num_seqs(&pc);
+        unsigned char *seen;
+        if (io->ht) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: ht must be NULL in the state-pool form");
+        if (!io->slots) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: state_pool given without slots");
+        if (io->num_slots < 1) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: num_slots=%d must be >= 1", io->num_slots);
+        if ((s = kda__backend_cpu_only(ctx))) return s;
+        seen = (unsigned char *)kda__alloc(ctx, (size_t)io->num_slots);
+        if (!seen) return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "cannot allocate %d bytes", io->num_slots);
+        memset(seen, 0, (size_t)io->num_slots);
+        for (n = 0; n < N; n++) {
+            int sl = io->slots[n];
+            if (sl >= io->num_slots) s = kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: slots[%d]=%d >= num_slots=%d", n, sl, io->num_slots);
+            else if (sl >= 0 && seen[sl]) s = kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: slot %d is used by two sequences (slots[%d])", sl, n);
+            if (s) break;
+            if (sl >= 0) seen[sl] = 1;
+        }
+        kda__free(ctx, seen);
+        if (s) return s;
+    } else if (io->slots) {
+        return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: slots given without state_pool");
+    }
+    if ((s = kda__backend_cpu_only(ctx))) return s;
+    memset(&c, 0, sizeof c);
+    kda__cpu_init(&c, &pc, in, NULL);
+    c.rio = io;
+    c.out = io->o;
+    if ((s = kda__seqs_build(ctx, &pc, in->cu_seqlens, &c.s))) return s;
+    s = kda__parallel(ctx, (long long)c.s.N * pc.HV, kda__recurrent_task, &c,
+                      (size_t)pc.K * pc.V + 3 * (size_t)pc.K + 2 * (size_t)pc.V,
+                      4.0 * pc.K * pc.V * ((double)pc.B * pc.T / c.s.N + 1));
+    kda__seqs_free(ctx, &c.s);
+    return s;
+}
+
+#endif /* KDA_IMPLEMENTATION_DONE */
+#endif /* KDA_IMPLEMENTATION */
