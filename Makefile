@@ -1,0 +1,46 @@
+# kda - build, test and benchmark. Everything builds from the one header.
+#   make demo        the demo on the embedded default problem (GPU if present, else CPU)
+#   make test        every CPU test (what CI runs); make test-sanitize: the same under ASan+UBSan
+#   make bench       CPU throughput (JSON lines)
+CC      ?= cc
+CXX     ?= c++
+OPT     ?= -O3 -march=native
+WARN     = -std=c11 -Wall -Wextra -Werror
+LDLIBS   = -lm -lpthread -ldl
+BUILD   ?= build
+KDA_CASES ?= ../shared/cases
+export KDA_CASES
+
+TOOLS = $(BUILD)/kda-case $(BUILD)/kda-bench $(BUILD)/demo
+UNITS = $(BUILD)/test_props $(BUILD)/test_stages $(BUILD)/test_errors
+
+.PHONY: all demo test test-sanitize bench clean
+all: $(TOOLS) $(UNITS)
+
+$(BUILD)/kda-case: tests/kda_case.c tests/npy.h kda.h
+$(BUILD)/kda-bench: bench/kda_bench.c kda.h
+$(BUILD)/demo: examples/demo.c kda.h
+$(BUILD)/test_props: tests/test_props.c tests/testlib.h tests/naive.h kda.h
+$(BUILD)/test_stages: tests/test_stages.c tests/testlib.h kda.h
+$(BUILD)/test_errors: tests/test_errors.c tests/testlib.h kda.h
+$(TOOLS) $(UNITS):
+	@mkdir -p $(dir $@)
+	$(CC) $(WARN) $(OPT) $(CFLAGS) -o $@ $< $(LDLIBS)
+
+demo: $(BUILD)/demo
+	./$(BUILD)/demo
+
+test: $(TOOLS) $(UNITS)
+	CC="$(CC)" CXX="$(CXX)" tests/run_tests.sh $(BUILD)
+
+# The same programs under AddressSanitizer and UndefinedBehaviorSanitizer.
+test-sanitize:
+	$(MAKE) BUILD=build/san OPT="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all" \
+	    $(addprefix build/san/,kda-case test_props test_stages test_errors)
+	KDA_QUICK=1 tests/run_tests.sh build/san
+
+bench: $(BUILD)/kda-bench
+	./$(BUILD)/kda-bench --device cpu
+
+clean:
+	rm -rf build

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Runs every CPU test and ends with one line "N passed, N failed".
+#   tests/run_tests.sh BUILD_DIR     (KDA_CASES: the reference cases; KDA_QUICK=1: no header builds)
+set -u
+build=${1:-build}
+cases=${KDA_CASES:-../shared/cases}
+pass=0; fail=0
+ok()  { pass=$((pass + 1)); }
+bad() { fail=$((fail + 1)); echo "FAIL: $*"; }
+
+# 1. The header alone: C++ and clang builds, single-threaded build, no warnings.
+if [ -z "${KDA_QUICK:-}" ]; then
+    tmp=$(mktemp -d)
+    printf '#define KDA_IMPLEMENTATION\n#include "%s/kda.h"\nint main(void){return kda_dtype_size(KDA_BF16)==2?0:1;}\n' "$PWD" > "$tmp/u.c"
+    cp "$tmp/u.c" "$tmp/u.cpp"
+    ${CXX:-c++} -Wall -Wextra -Werror -O2 -o "$tmp/cxx" "$tmp/u.cpp" -lpthread -ldl && "$tmp/cxx" && ok || bad "kda.h as C++"
+    if command -v clang >/dev/null; then
+        clang -std=c11 -Wall -Wextra -Werror -O2 -o "$tmp/cl" "$tmp/u.c" -lm -lpthread -ldl && "$tmp/cl" && ok || bad "kda.h with clang"
+    fi
+    ${CC:-cc} -std=c11 -Wall -Wextra -Werror -pedantic -O2 -DKDA_NO_THREADS -o "$tmp/nt" "$tmp/u.c" -lm -ldl && "$tmp/nt" && ok || bad "kda.h with KDA_NO_THREADS -pedantic"
+    rm -rf "$tmp"
+fi
+
+# 2. Unit and property programs: each prints "N passed, N failed" last.
+for t in test_props test_stages test_errors; do
+    out=$("$build/$t" 2>&1); rc=$?
+    echo "$out" | grep -E '^FAIL' || true
+    line=$(echo "$out" | tail -n 1)
+    echo "$t: $line"
+    p=$(echo "$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\1/p')
+    f=$(echo "$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\2/p')
+    if [ -z "$p" ]; then bad "$t crashed (exit $rc)"; echo "$out" | tail -n 20; continue; fi
+    pass=$((pass + p)); fail=$((fail + f))
+    [ "$rc" -eq 0 ] || [ "$f" -gt 0 ] || bad "$t exit $rc"
+done
+
+# 3. Every reference case, every dtype and chunk size (kda-case prints PASS/FAIL last).
+if [ ! -d "$cases" ]; then
+    bad "reference cases not found at $cases (set KDA_CASES)"
+else
+    n=0
+    for dir in "$cases"/*/; do
+        for dt in f32 f16 bf16; do
+            for ch in 16 32 64; do
+                out=$("$build/kda-case" "$dir" --dtype "$dt" --chunk "$ch" 2>&1)
+                if [ "$(echo "$out" | tail -n 1)" = PASS ]; then ok; else bad "kda-case $dir --dtype $dt --chunk $ch"; echo "$out" | grep -v ' ok$'; fi
+                n=$((n + 1))
+            done
+        done
+    done
+    echo "kda-case: $n runs over $(ls -d "$cases"/*/ | wc -l) cases"
+fi
+echo "$pass passed, $fail failed"
+[ "$fail" -eq 0 ]
