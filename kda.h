@@ -604,20 +604,24 @@ static void kda__mul(float *KDA__RESTRICT y, const float *KDA__RESTRICT x, int n
     for (d = 0; d < n; d++) y[d] *= x[d];
 }
 
-/* C[M,N] = alpha * A[M,Kd] B[Kd,N] (+ C when acc), row-major with leading
- * dimensions. lower: A is lower triangular (A[i][k] = 0 for k > i). */
-static void kda__mm(int M, int N, int Kd, float alpha, const float *A, int lda, int lower,
+/* C[M,N] = alpha * op(A)[M,Kd] B[Kd,N] (+ C when acc), row-major with leading
+ * dimensions. flags: KDA__LOWER, op(A) is lower triangular (zero for k > i);
+ * KDA__TRANS_A, op(A)[i][k] = A[k * lda + i] (A stored transposed). */
+#define KDA__LOWER 1
+#define KDA__TRANS_A 2
+static void kda__mm(int M, int N, int Kd, float alpha, const float *A, int lda, int flags,
                     const float *B, int ldb, int acc, float *C, int ldc) {
-    int i0 = 0, j, kk;
+    int i0 = 0, j, kk, lower = flags & KDA__LOWER;
+    size_t si = (flags & KDA__TRANS_A) ? 1 : (size_t)lda, sk = (flags & KDA__TRANS_A) ? (size_t)lda : 1;
     for (; i0 < M; i0 += 4) {
         int R = M - i0 < 4 ? M - i0 : 4, r, j0 = 0;
         int kend = lower ? (i0 + R < Kd ? i0 + R : Kd) : Kd;
-        const float *a0 = A + (size_t)i0 * lda;
+        const float *a0 = A + (size_t)i0 * si;
         for (; j0 + 16 <= N && R == 4; j0 += 16) {
             float c0[16] = {0}, c1[16] = {0}, c2[16] = {0}, c3[16] = {0};
             for (kk = 0; kk < kend; kk++) {
-                const float *b = B + (size_t)kk * ldb + j0;
-                float x0 = a0[kk], x1 = a0[lda + kk], x2 = a0[2 * lda + kk], x3 = a0[3 * lda + kk];
+                const float *b = B + (size_t)kk * ldb + j0, *ak = a0 + (size_t)kk * sk;
+                float x0 = ak[0], x1 = ak[si], x2 = ak[2 * si], x3 = ak[3 * si];
                 for (j = 0; j < 16; j++) {
                     c0[j] += x0 * b[j]; c1[j] += x1 * b[j]; c2[j] += x2 * b[j]; c3[j] += x3 * b[j];
                 }
@@ -637,13 +641,52 @@ static void kda__mm(int M, int N, int Kd, float alpha, const float *A, int lda, 
             int w = N - j0;
             for (r = 0; r < R; r++) {
                 float crow[KDA_MAX_HEAD_DIM + 16];
-                const float *ar = A + (size_t)(i0 + r) * lda;
+                const float *ar = A + (size_t)(i0 + r) * si;
                 int ke = lower ? (i0 + r + 1 < Kd ? i0 + r + 1 : Kd) : Kd;
                 float *cdst = C + (size_t)(i0 + r) * ldc + j0;
                 memset(crow, 0, sizeof(float) * (size_t)w);
-                for (kk = 0; kk < ke; kk++) kda__axpy(crow, ar[kk], B + (size_t)kk * ldb + j0, w);
+                for (kk = 0; kk < ke; kk++) kda__axpy(crow, ar[(size_t)kk * sk], B + (size_t)kk * ldb + j0, w);
                 if (acc) for (j = 0; j < w; j++) cdst[j] += alpha * crow[j];
                 else for (j = 0; j < w; j++) cdst[j] = alpha * crow[j];
+            }
+        }
+    }
+}
+
+/* C[M,N] += op(A)[M,Kd] B[Kd,N] with fp32 operands and double accumulation
+ * and result (flags as kda__mm: KDA__TRANS_A); used where sums must cancel
+ * exactly against other sums. */
+static void kda__mm_fd(int M, int N, int Kd, const float *A, int lda, int flags, const float *B, int ldb,
+                       double *C, int ldc) {
+    int i0 = 0, j, kk, r;
+    size_t si = (flags & KDA__TRANS_A) ? 1 : (size_t)lda, sk = (flags & KDA__TRANS_A) ? (size_t)lda : 1;
+    for (; i0 < M; i0 += 4) {
+        int R = M - i0 < 4 ? M - i0 : 4, j0 = 0;
+        const float *a0 = A + (size_t)i0 * si;
+        for (; j0 + 8 <= N && R == 4; j0 += 8) {
+            double c0[8] = {0}, c1[8] = {0}, c2[8] = {0}, c3[8] = {0}, bd[8];
+            for (kk = 0; kk < Kd; kk++) {
+                const float *b = B + (size_t)kk * ldb + j0, *ak = a0 + (size_t)kk * sk;
+                double x0 = ak[0], x1 = ak[si], x2 = ak[2 * si], x3 = ak[3 * si];
+                for (j = 0; j < 8; j++) bd[j] = b[j];
+                for (j = 0; j < 8; j++) {
+                    c0[j] += x0 * bd[j]; c1[j] += x1 * bd[j]; c2[j] += x2 * bd[j]; c3[j] += x3 * bd[j];
+                }
+            }
+            for (j = 0; j < 8; j++) {
+                C[(size_t)i0 * ldc + j0 + j] += c0[j];
+                C[(size_t)(i0 + 1) * ldc + j0 + j] += c1[j];
+                C[(size_t)(i0 + 2) * ldc + j0 + j] += c2[j];
+                C[(size_t)(i0 + 3) * ldc + j0 + j] += c3[j];
+            }
+        }
+        for (r = 0; r < R; r++) {
+            const float *ar = A + (size_t)(i0 + r) * si;
+            double *cr = C + (size_t)(i0 + r) * ldc;
+            for (kk = 0; kk < Kd; kk++) {
+                double x = ar[(size_t)kk * sk];
+                const float *b = B + (size_t)kk * ldb;
+                for (j = (R == 4 ? j0 : 0); j < N; j++) cr[j] += x * b[j];
             }
         }
     }
@@ -1100,8 +1143,21 @@ static void kda__gate_cumsum_task(void *arg, long long item, float *scratch) {
 
 /* ---- stage 2: intra-chunk Aqk and L ----
  * Blocks of 16 rows. Off-diagonal blocks (I > J) factor exp(G_i - G_j) through
- * the first row of I and the last row of J, so every factor is <= 1; the
- * diagonal blocks use the exact per-pair exponent. */
+ * the first row of I and the last row of J, so every factor is <= 1. A diagonal
+ * block whose decay span max_d(G_first - G_last) is at most KDA__SPAN factors
+ * through its middle row (factors within 2^+-KDA__SPAN: no overflow, no
+ * underflow); a block with a larger span (very strong decay, g = -1000) takes the
+ * exact per-pair exponent instead. */
+#define KDA__SPAN 48.0
+
+/* Middle reference row of the block [i0, i1), or -1 when its span is too large. */
+static int kda__block_ref(const double *G, size_t rk, int i0, int i1, int K) {
+    int d;
+    for (d = 0; d < K; d++)
+        if (G[(size_t)i0 * rk + d] - G[(size_t)(i1 - 1) * rk + d] > KDA__SPAN) return -1;
+    return i0 + (i1 - i0 - 1) / 2;
+}
+
 static void kda__intra_task(void *arg, long long item, float *scratch) {
     kda__cpu *c = (kda__cpu *)arg;
     kda__chunk ch = kda__chunk_at(c->p, &c->s, item / c->HV);
@@ -1139,16 +1195,39 @@ static void kda__intra_task(void *arg, long long item, float *scratch) {
             kda__mm(ni, KDA__BC, K, 1.0f, ke + (size_t)i0 * K, K, 0, tmpT, KDA__BC, 0, L + (size_t)i0 * BT + j0, BT);
         }
     }
-    for (i = 0; i < n; i++) {
-        int i0 = (i / KDA__BC) * KDA__BC;
-        for (j = i0; j <= i; j++) {
-            kda__vexp2d(e, G + (size_t)i * rk, G + (size_t)j * rk, 1.0f, K);
-            A[(size_t)i * BT + j] = c->scale * kda__dot3(q + (size_t)i * rq, k + (size_t)j * rq, e, K);
-            if (j < i) L[(size_t)i * BT + j] = kda__dot3(k + (size_t)i * rq, k + (size_t)j * rq, e, K);
+    for (I = 0; I < nsub; I++) {
+        int i0 = I * KDA__BC, i1 = i0 + KDA__BC < n ? i0 + KDA__BC : n, ni = i1 - i0;
+        int r = kda__block_ref(G, rk, i0, i1, K);
+        if (r >= 0) { /* factor through the middle row: two 16x16 products */
+            float *qm = qe + (size_t)i0 * K, *km = ke + (size_t)i0 * K;
+            for (i = i0; i < i1; i++) {
+                kda__vexp2d(e, G + (size_t)i * rk, G + (size_t)r * rk, 1.0f, K);
+                for (d = 0; d < K; d++) {
+                    qm[(size_t)(i - i0) * K + d] = q[(size_t)i * rq + d] * e[d];
+                    km[(size_t)(i - i0) * K + d] = k[(size_t)i * rq + d] * e[d];
+                }
+                kda__vexp2d(e, G + (size_t)r * rk, G + (size_t)i * rk, 1.0f, K);
+                for (d = 0; d < K; d++) tmpT[(size_t)d * KDA__BC + (i - i0)] = k[(size_t)i * rq + d] * e[d];
+            }
+            kda__mm(ni, ni, K, c->scale, qm, K, 0, tmpT, KDA__BC, 0, A + (size_t)i0 * BT + i0, BT);
+            kda__mm(ni, ni, K, 1.0f, km, K, 0, tmpT, KDA__BC, 0, L + (size_t)i0 * BT + i0, BT);
+            for (i = 0; i < ni; i++)
+                for (j = i; j < ni; j++) {
+                    if (j > i) A[(size_t)(i0 + i) * BT + i0 + j] = 0.0f;
+                    L[(size_t)(i0 + i) * BT + i0 + j] = 0.0f;
+                }
+        } else { /* exact per-pair exponents */
+            for (i = i0; i < i1; i++)
+                for (j = i0; j <= i; j++) {
+                    kda__vexp2d(e, G + (size_t)i * rk, G + (size_t)j * rk, 1.0f, K);
+                    A[(size_t)i * BT + j] = c->scale * kda__dot3(q + (size_t)i * rq, k + (size_t)j * rq, e, K);
+                    if (j < i) L[(size_t)i * BT + j] = kda__dot3(k + (size_t)i * rq, k + (size_t)j * rq, e, K);
+                }
         }
-        for (j = 0; j < i; j++) L[(size_t)i * BT + j] *= beta[(size_t)i * c->HV];
     }
     for (i = 0; i < n; i++) {
+        float b = beta[(size_t)i * c->HV];
+        for (j = 0; j < i; j++) L[(size_t)i * BT + j] *= b;
         memcpy(KDA__AT(c->w->Aqk, ch.t0 + i, rb, hv, BT), A + (size_t)i * BT, sizeof(float) * BT);
         memcpy(KDA__AT(c->w->L, ch.t0 + i, rb, hv, BT), L + (size_t)i * BT, sizeof(float) * BT);
     }
@@ -1217,11 +1296,11 @@ static size_t kda__sidx(const kda_problem *p, long long idx, int d, int v) {
 /* ---- stage 5: inter-chunk state scan ---- */
 static void kda__state_task(void *arg, long long item, float *scratch) {
     kda__cpu *c = (kda__cpu *)arg;
-    int nvb = (c->V + KDA__VBLK - 1) / KDA__VBLK, K = c->K, V = c->V, BT = c->BT;
+    int nvb = (c->V + KDA__VBLK - 1) / KDA__VBLK, K = c->K, V = c->V;
     int vb = (int)(item % nvb), hv = (int)((item / nvb) % c->HV), sq = (int)(item / nvb / c->HV);
     int v0 = vb * KDA__VBLK, vw = V - v0 < KDA__VBLK ? V - v0 : KDA__VBLK, d, v, i;
     size_t rk = KDA__RK(c), rv = KDA__RV(c);
-    float *S = scratch, *kgT = S + (size_t)K * KDA__VBLK, *el = kgT + (size_t)K * BT;
+    float *S = scratch, *el = S + (size_t)K * KDA__VBLK;
     long long gc, sidx = (long long)sq * c->HV + hv;
     for (d = 0; d < K; d++)
         for (v = 0; v < vw; v++)
@@ -1238,8 +1317,7 @@ static void kda__state_task(void *arg, long long item, float *scratch) {
         kda__vexp2d(el, KDA__AT(c->w->G, ch.t0 + ch.n - 1, rk, hv, K), NULL, 1.0f, K);
         for (d = 0; d < K; d++)
             for (v = 0; v < vw; v++) S[(size_t)d * KDA__VBLK + v] *= el[d];
-        kda__transpose(ch.n, K, kg, (int)rk, kgT, BT);
-        kda__mm(K, vw, ch.n, 1.0f, kgT, BT, 0, vn, (int)rv, 1, S, KDA__VBLK);
+        kda__mm(K, vw, ch.n, 1.0f, kg, (int)rk, KDA__TRANS_A, vn, (int)rv, 1, S, KDA__VBLK);
     }
     if (c->ht)
         for (d = 0; d < K; d++)
@@ -1267,7 +1345,7 @@ static void kda__dAv_task(void *arg, long long item, float *scratch) {
     kda__chunk ch = kda__chunk_at(c->p, &c->s, item / c->HV);
     int hv = (int)(item % c->HV), V = c->V, BT = c->BT, n = ch.n, i, j;
     size_t rv = KDA__RV(c), rb = KDA__RB(c);
-    float *dol = scratch, *vnT = dol + (size_t)BT * V, *AT = vnT + (size_t)V * BT, *dA = AT + (size_t)BT * BT;
+    float *dol = scratch, *vnT = dol + (size_t)BT * V, *dA = vnT + (size_t)V * BT;
     for (i = 0; i < n; i++)
         kda__ld_row(dol + (size_t)i * V, c->dout, c->p->dtype, ((size_t)(ch.t0 + i) * c->HV + hv) * V, V);
     kda__transpose(n, V, KDA__AT(c->w->vn, ch.t0, rv, hv, V), (int)rv, vnT, BT);
@@ -1276,18 +1354,18 @@ static void kda__dAv_task(void *arg, long long item, float *scratch) {
         float *out = KDA__AT(c->w->dAqk, ch.t0 + i, rb, hv, BT);
         for (j = 0; j < BT; j++) out[j] = j <= i ? dA[(size_t)i * BT + j] : 0.0f;
     }
-    kda__transpose(n, n, KDA__AT(c->w->Aqk, ch.t0, rb, hv, BT), (int)rb, AT, BT);
-    kda__mm(n, V, n, 1.0f, AT, BT, 0, dol, V, 0, KDA__AT(c->w->dvl, ch.t0, rv, hv, V), (int)rv);
+    kda__mm(n, V, n, 1.0f, KDA__AT(c->w->Aqk, ch.t0, rb, hv, BT), (int)rb, KDA__TRANS_A, dol, V, 0,
+            KDA__AT(c->w->dvl, ch.t0, rv, hv, V), (int)rv);
 }
 
 /* ---- B2: reverse scan for dh, dv2, dh0 ---- */
 static void kda__dhu_task(void *arg, long long item, float *scratch) {
     kda__cpu *c = (kda__cpu *)arg;
-    int nvb = (c->V + KDA__VBLK - 1) / KDA__VBLK, K = c->K, V = c->V, BT = c->BT;
+    int nvb = (c->V + KDA__VBLK - 1) / KDA__VBLK, K = c->K, V = c->V;
     int vb = (int)(item % nvb), hv = (int)((item / nvb) % c->HV), sq = (int)(item / nvb / c->HV);
     int v0 = vb * KDA__VBLK, vw = V - v0 < KDA__VBLK ? V - v0 : KDA__VBLK, d, v, i;
     size_t rk = KDA__RK(c), rv = KDA__RV(c);
-    float *dS = scratch, *tT = dS + (size_t)K * KDA__VBLK, *el = tT + (size_t)K * BT, *dol = el + K;
+    float *dS = scratch, *el = dS + (size_t)K * KDA__VBLK, *dol = el + K;
     long long gc, sidx = (long long)sq * c->HV + hv;
     for (d = 0; d < K; d++)
         for (v = 0; v < vw; v++)
@@ -1306,10 +1384,10 @@ static void kda__dhu_task(void *arg, long long item, float *scratch) {
         for (i = 0; i < ch.n; i++)
             kda__ld_row(dol + (size_t)i * KDA__VBLK, c->dout, c->p->dtype,
                         ((size_t)(ch.t0 + i) * c->HV + hv) * V + v0, vw);
-        kda__transpose(ch.n, K, KDA__AT(c->w->qg, ch.t0, rk, hv, K), (int)rk, tT, BT);
-        kda__mm(K, vw, ch.n, c->scale, tT, BT, 0, dol, KDA__VBLK, 1, dS, KDA__VBLK);
-        kda__transpose(ch.n, K, KDA__AT(c->w->w, ch.t0, rk, hv, K), (int)rk, tT, BT);
-        kda__mm(K, vw, ch.n, -1.0f, tT, BT, 0, dv2, (int)rv, 1, dS, KDA__VBLK);
+        kda__mm(K, vw, ch.n, c->scale, KDA__AT(c->w->qg, ch.t0, rk, hv, K), (int)rk, KDA__TRANS_A, dol,
+                KDA__VBLK, 1, dS, KDA__VBLK);
+        kda__mm(K, vw, ch.n, -1.0f, KDA__AT(c->w->w, ch.t0, rk, hv, K), (int)rk, KDA__TRANS_A, dv2, (int)rv, 1,
+                dS, KDA__VBLK);
     }
     if (c->dh0)
         for (d = 0; d < K; d++)
@@ -1366,7 +1444,7 @@ static void kda__wy_task(void *arg, long long item, float *scratch) {
     kda__mm(n, n, K, 1.0f, dw, K, 0, kbET, BT, 1, dM, BT);
     kda__transpose(n, n, KDA__AT(c->w->M, ch.t0, rb, hv, BT), (int)rb, MT, BT);
     /* through u = M (beta v): dv = beta (M^T dv2), dbeta += (M^T dv2) . v */
-    kda__mm(n, V, n, 1.0f, MT, BT, 0, dv2, (int)rv, 0, dbv, V);
+    kda__mm(n, V, n, 1.0f, MT, BT, 0, dv2, (int)rv, 0, dbv, V); /* M^T is upper triangular */
     for (i = 0; i < n; i++) {
         float b = beta[(size_t)i * c->HV];
         dbeta[i] = kda__dot(dbv + (size_t)i * V, vl + (size_t)i * V, V);
@@ -1403,126 +1481,158 @@ static void kda__wy_task(void *arg, long long item, float *scratch) {
 }
 
 /* ---- B4: intra-chunk backward through Aqk and L ----
- * Same 16-row blocking and exponent references as stage 2. */
+ * Same blocking and exponent references as stage 2. Every block product is
+ * accumulated in double: the terms that reach dG from pair (i, j) go to row i
+ * and, negated, to row j, and the reverse cumsum must cancel them exactly for
+ * rows <= j. Both sides are formed from the same fp32 operands (qa.(A kbf) and
+ * kbf.(A^T qa)), so in double they agree to ~1e-16. */
+
+/* One block pair: rows I (ni rows, row factors er), columns J (nj), with
+ * qa = q er, ka = beta k er and kbf = k ec (the column factors ec folded in). */
+typedef struct {
+    const float *dA, *dL; /* [ni, nj] blocks, leading dim ld */
+    int ld, ni, nj, K;
+    const float *er, *qa, *ka;      /* [ni, K] */
+    const float *ec, *kbf;          /* [nj, K] */
+} kda__bpair;
+
+static void kda__bintra_pair(const kda__bpair *bp, double *rq, double *rk, double *cq, double *ck, double *tri,
+                             double *trj, double *R) {
+    int K = bp->K, i, j, d;
+    size_t nk = (size_t)KDA__BC * K;
+    /* row side: R1 = dA kbf, R2 = dL kbf */
+    memset(R, 0, sizeof(double) * 2 * nk);
+    kda__mm_fd(bp->ni, K, bp->nj, bp->dA, bp->ld, 0, bp->kbf, K, R, K);
+    kda__mm_fd(bp->ni, K, bp->nj, bp->dL, bp->ld, 0, bp->kbf, K, R + nk, K);
+    for (i = 0; i < bp->ni; i++) {
+        const double *r1 = R + (size_t)i * K, *r2 = R + nk + (size_t)i * K;
+        const float *er = bp->er + (size_t)i * K, *qa = bp->qa + (size_t)i * K, *ka = bp->ka + (size_t)i * K;
+        for (d = 0; d < K; d++) {
+            rq[(size_t)i * K + d] += er[d] * r1[d];
+            rk[(size_t)i * K + d] += er[d] * r2[d];
+            tri[(size_t)i * K + d] += qa[d] * r1[d] + ka[d] * r2[d];
+        }
+    }
+    /* column side: C1 = dA^T qa, C2 = dL^T ka */
+    memset(R, 0, sizeof(double) * 2 * nk);
+    kda__mm_fd(bp->nj, K, bp->ni, bp->dA, bp->ld, KDA__TRANS_A, bp->qa, K, R, K);
+    kda__mm_fd(bp->nj, K, bp->ni, bp->dL, bp->ld, KDA__TRANS_A, bp->ka, K, R + nk, K);
+    for (j = 0; j < bp->nj; j++) {
+        const double *c1 = R + (size_t)j * K, *c2 = R + nk + (size_t)j * K;
+        const float *ec = bp->ec + (size_t)j * K, *kb = bp->kbf + (size_t)j * K;
+        for (d = 0; d < K; d++) {
+            cq[(size_t)j * K + d] += ec[d] * c1[d];
+            ck[(size_t)j * K + d] += ec[d] * c2[d];
+            trj[(size_t)j * K + d] -= kb[d] * (c1[d] + c2[d]);
+        }
+    }
+}
+
 static void kda__bintra_task(void *arg, long long item, float *scratch) {
     kda__cpu *c = (kda__cpu *)arg;
     kda__chunk ch = kda__chunk_at(c->p, &c->s, item / c->HV);
     int hv = (int)(item % c->HV), h = hv / c->G, K = c->K, BT = c->BT, n = ch.n;
     int nsub = (n + KDA__BC - 1) / KDA__BC, I, J, i, j, d;
-    size_t rq = KDA__RQ(c), rk = KDA__RK(c), rb = KDA__RB(c), BK = (size_t)BT * K;
+    size_t rq = KDA__RQ(c), rk = KDA__RK(c), rb = KDA__RB(c), BK = (size_t)BT * K, CK = (size_t)KDA__BC * K;
     const float *q = KDA__AT(c->w->qn, ch.t0, rq, h, K), *k = KDA__AT(c->w->kn, ch.t0, rq, h, K);
     const double *G = KDA__AT(c->w->G, ch.t0, rk, hv, K);
     const float *beta = c->w->beta + (size_t)ch.t0 * c->HV + hv;
     const float *dA = KDA__AT(c->w->dAqk, ch.t0, rb, hv, BT), *dL = KDA__AT(c->w->dL, ch.t0, rb, hv, BT);
-    float *rq_ = scratch, *rk_ = rq_ + BK, *cq = rk_ + BK, *ck = cq + BK;
-    float *qe = ck + BK, *bke = qe + BK, *kb = bke + BK, *tmp = kb + BK, *tmp2 = tmp + (size_t)KDA__BC * K;
-    float *dAT = tmp2 + (size_t)KDA__BC * K, *dLT = dAT + KDA__BC * KDA__BC, *f = dLT + KDA__BC * KDA__BC;
-    float *e = f + K, *x = e + K, *y = x + K;
-    double *tr = (double *)(void *)(((uintptr_t)(y + K) + 7) & ~(uintptr_t)7); /* [BT,K] dG transfer */
-    memset(rq_, 0, sizeof(float) * BK * 4);
-    memset(tr, 0, sizeof(double) * BK);
-    /* qe, bke relative to the first row of their block; kb relative to the last row */
+    double *acc = (double *)scratch; /* rq, rk, cq, ck, tr: [BT, K] each; R: [2, 16, K] */
+    double *arq = acc, *ark = arq + BK, *acq = ark + BK, *ack = acq + BK, *tr = ack + BK, *R = tr + BK;
+    float *er = (float *)(R + 2 * CK), *qa = er + BK, *ka = qa + BK, *ec = ka + BK, *kb = ec + BK;
+    float *ecf = kb + BK, *kbf = ecf + CK, *e = kbf + CK;
+    float *kam = e + K, *ecm = kam + CK, *kbm = ecm + CK; /* diagonal blocks */
+    kda__bpair bp;
+    memset(acc, 0, sizeof(double) * BK * 5);
+    bp.K = K;
+    bp.ld = (int)rb;
+    /* per block: row factors relative to its first row, column factors to its last */
     for (I = 0; I < nsub; I++) {
         int i0 = I * KDA__BC, i1 = i0 + KDA__BC < n ? i0 + KDA__BC : n;
         for (i = i0; i < i1; i++) {
             float b = beta[(size_t)i * c->HV];
-            kda__vexp2d(e, G + (size_t)i * rk, G + (size_t)i0 * rk, 1.0f, K);
+            kda__vexp2d(er + (size_t)i * K, G + (size_t)i * rk, G + (size_t)i0 * rk, 1.0f, K);
+            kda__vexp2d(ec + (size_t)i * K, G + (size_t)(i1 - 1) * rk, G + (size_t)i * rk, 1.0f, K);
             for (d = 0; d < K; d++) {
-                qe[(size_t)i * K + d] = q[(size_t)i * rq + d] * e[d];
-                bke[(size_t)i * K + d] = b * k[(size_t)i * rq + d] * e[d];
+                qa[(size_t)i * K + d] = q[(size_t)i * rq + d] * er[(size_t)i * K + d];
+                ka[(size_t)i * K + d] = b * k[(size_t)i * rq + d] * er[(size_t)i * K + d];
+                kb[(size_t)i * K + d] = k[(size_t)i * rq + d] * ec[(size_t)i * K + d];
             }
-            kda__vexp2d(e, G + (size_t)(i1 - 1) * rk, G + (size_t)i * rk, 1.0f, K);
-            for (d = 0; d < K; d++) kb[(size_t)i * K + d] = k[(size_t)i * rq + d] * e[d];
         }
     }
-    /* off-diagonal blocks, accumulated before the final per-row factor */
     for (I = 1; I < nsub; I++) {
-        int i0 = I * KDA__BC, ni = i0 + KDA__BC < n ? KDA__BC : n - i0;
+        int i0 = I * KDA__BC;
+        bp.ni = i0 + KDA__BC < n ? KDA__BC : n - i0;
+        bp.nj = KDA__BC;
+        bp.er = er + (size_t)i0 * K; bp.qa = qa + (size_t)i0 * K; bp.ka = ka + (size_t)i0 * K;
         for (J = 0; J < I; J++) {
             int j0 = J * KDA__BC;
-            kda__vexp2d(f, G + (size_t)i0 * rk, G + (size_t)(j0 + KDA__BC - 1) * rk, 1.0f, K);
+            kda__vexp2d(e, G + (size_t)i0 * rk, G + (size_t)(j0 + KDA__BC - 1) * rk, 1.0f, K);
             for (j = 0; j < KDA__BC; j++)
-                for (d = 0; d < K; d++) tmp[(size_t)j * K + d] = kb[(size_t)(j0 + j) * K + d] * f[d];
-            kda__mm(ni, K, KDA__BC, 1.0f, dA + (size_t)i0 * rb + j0, (int)rb, 0, tmp, K, 1, rq_ + (size_t)i0 * K, K);
-            kda__mm(ni, K, KDA__BC, 1.0f, dL + (size_t)i0 * rb + j0, (int)rb, 0, tmp, K, 1, rk_ + (size_t)i0 * K, K);
-            kda__transpose(ni, KDA__BC, dA + (size_t)i0 * rb + j0, (int)rb, dAT, KDA__BC);
-            kda__transpose(ni, KDA__BC, dL + (size_t)i0 * rb + j0, (int)rb, dLT, KDA__BC);
-            for (i = 0; i < ni; i++)
                 for (d = 0; d < K; d++) {
-                    tmp[(size_t)i * K + d] = qe[(size_t)(i0 + i) * K + d] * f[d];
-                    tmp2[(size_t)i * K + d] = bke[(size_t)(i0 + i) * K + d] * f[d];
+                    ecf[(size_t)j * K + d] = ec[(size_t)(j0 + j) * K + d] * e[d];
+                    kbf[(size_t)j * K + d] = kb[(size_t)(j0 + j) * K + d] * e[d];
                 }
-            kda__mm(KDA__BC, K, ni, 1.0f, dAT, KDA__BC, 0, tmp, K, 1, cq + (size_t)j0 * K, K);
-            kda__mm(KDA__BC, K, ni, 1.0f, dLT, KDA__BC, 0, tmp2, K, 1, ck + (size_t)j0 * K, K);
-            /* dG transfer of each pair, computed once: + at row i, - at row j. With
-             * the same value on both sides the reverse cumsum cancels it exactly
-             * for rows <= j; through rq/cq it would cancel only to fp32 rounding. */
-            for (i = 0; i < ni; i++) {
-                const float *qa = tmp + (size_t)i * K, *ka = tmp2 + (size_t)i * K; /* q e_i f, beta k e_i f */
-                double *tri = tr + (size_t)(i0 + i) * K;
-                for (j = 0; j < KDA__BC; j++) {
-                    float a = dA[(size_t)(i0 + i) * rb + j0 + j], l = dL[(size_t)(i0 + i) * rb + j0 + j];
-                    const float *kj = kb + (size_t)(j0 + j) * K;
-                    double *trj = tr + (size_t)(j0 + j) * K;
+            bp.dA = dA + (size_t)i0 * rb + j0; bp.dL = dL + (size_t)i0 * rb + j0;
+            bp.ec = ecf; bp.kbf = kbf;
+            kda__bintra_pair(&bp, arq + (size_t)i0 * K, ark + (size_t)i0 * K, acq + (size_t)j0 * K,
+                             ack + (size_t)j0 * K, tr + (size_t)i0 * K, tr + (size_t)j0 * K, R);
+        }
+    }
+    for (I = 0; I < nsub; I++) { /* diagonal blocks */
+        int i0 = I * KDA__BC, i1 = i0 + KDA__BC < n ? i0 + KDA__BC : n, r = kda__block_ref(G, rk, i0, i1, K);
+        if (r >= 0) { /* through the middle row, as one block pair */
+            float *erm = ecf, *qam = kbf; /* free here: [16,K] each */
+            for (i = i0; i < i1; i++) {
+                float b = beta[(size_t)i * c->HV];
+                float *eri = erm + (size_t)(i - i0) * K, *eci = ecm + (size_t)(i - i0) * K;
+                kda__vexp2d(eri, G + (size_t)i * rk, G + (size_t)r * rk, 1.0f, K);
+                kda__vexp2d(eci, G + (size_t)r * rk, G + (size_t)i * rk, 1.0f, K);
+                for (d = 0; d < K; d++) {
+                    qam[(size_t)(i - i0) * K + d] = q[(size_t)i * rq + d] * eri[d];
+                    kam[(size_t)(i - i0) * K + d] = b * k[(size_t)i * rq + d] * eri[d];
+                    kbm[(size_t)(i - i0) * K + d] = k[(size_t)i * rq + d] * eci[d];
+                }
+            }
+            bp.ni = bp.nj = i1 - i0;
+            bp.dA = dA + (size_t)i0 * rb + i0; bp.dL = dL + (size_t)i0 * rb + i0;
+            bp.er = erm; bp.qa = qam; bp.ka = kam; bp.ec = ecm; bp.kbf = kbm;
+            kda__bintra_pair(&bp, arq + (size_t)i0 * K, ark + (size_t)i0 * K, acq + (size_t)i0 * K,
+                             ack + (size_t)i0 * K, tr + (size_t)i0 * K, tr + (size_t)i0 * K, R);
+        } else { /* exact per-pair exponents; the pair's transfer is formed once */
+            for (i = i0; i < i1; i++) {
+                float bi = beta[(size_t)i * c->HV];
+                const float *qi = q + (size_t)i * rq, *ki = k + (size_t)i * rq;
+                for (j = i0; j <= i; j++) {
+                    float a = dA[(size_t)i * rb + j], l = j < i ? dL[(size_t)i * rb + j] : 0.0f;
+                    const float *kj = k + (size_t)j * rq;
+                    kda__vexp2d(e, G + (size_t)i * rk, G + (size_t)j * rk, 1.0f, K);
                     for (d = 0; d < K; d++) {
-                        float cij = (a * qa[d] + l * ka[d]) * kj[d];
-                        tri[d] += cij;
-                        trj[d] -= cij;
+                        float ke = kj[d] * e[d], ce = (a * qi[d] + l * bi * ki[d]) * ke;
+                        arq[(size_t)i * K + d] += a * ke;
+                        ark[(size_t)i * K + d] += l * ke;
+                        acq[(size_t)j * K + d] += a * qi[d] * e[d];
+                        ack[(size_t)j * K + d] += l * bi * ki[d] * e[d];
+                        if (j < i) { tr[(size_t)i * K + d] += ce; tr[(size_t)j * K + d] -= ce; }
                     }
                 }
             }
         }
     }
     for (i = 0; i < n; i++) {
-        int i0 = (i / KDA__BC) * KDA__BC, i1 = i0 + KDA__BC < n ? i0 + KDA__BC : n;
-        kda__vexp2d(e, G + (size_t)i * rk, G + (size_t)i0 * rk, 1.0f, K);
-        kda__mul(rq_ + (size_t)i * K, e, K);
-        kda__mul(rk_ + (size_t)i * K, e, K);
-        kda__vexp2d(e, G + (size_t)(i1 - 1) * rk, G + (size_t)i * rk, 1.0f, K);
-        kda__mul(cq + (size_t)i * K, e, K);
-        kda__mul(ck + (size_t)i * K, e, K);
-    }
-    /* diagonal blocks: exact per-pair exponents */
-    for (i = 0; i < n; i++) {
-        int i0 = (i / KDA__BC) * KDA__BC;
-        float bi = beta[(size_t)i * c->HV];
-        const float *qi = q + (size_t)i * rq, *ki = k + (size_t)i * rq;
-        for (j = i0; j <= i; j++) {
-            float a = dA[(size_t)i * rb + j], l = j < i ? dL[(size_t)i * rb + j] : 0.0f;
-            const float *kj = k + (size_t)j * rq;
-            kda__vexp2d(e, G + (size_t)i * rk, G + (size_t)j * rk, 1.0f, K);
-            for (d = 0; d < K; d++) x[d] = kj[d] * e[d];
-            kda__axpy(rq_ + (size_t)i * K, a, x, K);
-            kda__axpy(rk_ + (size_t)i * K, l, x, K);
-            if (j < i) { /* the diagonal pair's transfer is + and - at the same row: none */
-                double *tri = tr + (size_t)i * K, *trj = tr + (size_t)j * K;
-                for (d = 0; d < K; d++) {
-                    float cij = (a * qi[d] + l * bi * ki[d]) * x[d];
-                    tri[d] += cij;
-                    trj[d] -= cij;
-                }
-            }
-            for (d = 0; d < K; d++) y[d] = qi[d] * e[d];
-            kda__axpy(cq + (size_t)j * K, a, y, K);
-            for (d = 0; d < K; d++) y[d] = ki[d] * e[d];
-            kda__axpy(ck + (size_t)j * K, l * bi, y, K);
-        }
-    }
-    for (i = 0; i < n; i++) {
         float bi = beta[(size_t)i * c->HV];
         const float *ki = k + (size_t)i * rq;
-        const float *rqi = rq_ + (size_t)i * K, *rki = rk_ + (size_t)i * K;
-        const double *tri = tr + (size_t)i * K;
-        const float *cqi = cq + (size_t)i * K, *cki = ck + (size_t)i * K;
+        const double *rqi = arq + (size_t)i * K, *rki = ark + (size_t)i * K, *cqi = acq + (size_t)i * K, *cki = ack + (size_t)i * K;
         float *dq = KDA__AT(c->w->dqh, ch.t0 + i, rk, hv, K), *dk = KDA__AT(c->w->dkh, ch.t0 + i, rk, hv, K);
-        double *dG = KDA__AT(c->w->dG, ch.t0 + i, rk, hv, K);
-        c->w->dbeta[(size_t)(ch.t0 + i) * c->HV + hv] += kda__dot(ki, rki, K);
+        double *dG = KDA__AT(c->w->dG, ch.t0 + i, rk, hv, K), db = 0.0;
         for (d = 0; d < K; d++) {
-            float cc = cqi[d] + cki[d];
-            dq[d] += rqi[d];
-            dk[d] += bi * rki[d] + cc;
-            dG[d] += tri[d];
+            dq[d] += (float)rqi[d];
+            dk[d] += (float)(bi * rki[d] + cqi[d] + cki[d]);
+            db += ki[d] * rki[d];
+            dG[d] += tr[(size_t)i * K + d];
         }
+        c->w->dbeta[(size_t)(ch.t0 + i) * c->HV + hv] += (float)db;
     }
 }
 
@@ -1714,7 +1824,7 @@ static kda_status kda__cpu_stage(kda_context *ctx, kda__cpu *c, int stage) {
     case 12: return kda__parallel(ctx, nscan, kda__dhu_task, c, K * KDA__VBLK + K * BT + K + BT * KDA__VBLK, 1e7);
     case 13: return kda__parallel(ctx, nch, kda__wy_task, c,
                                   2 * V * K + 3 * BT * V + 6 * BT * K + V * BT + K * BT + 4 * BT * BT + 3 * K + BT + 2, fl);
-    case 14: return kda__parallel(ctx, nch, kda__bintra_task, c, 9 * BT * K + 2 * C * K + 2 * C * C + 4 * K + 2, fl);
+    case 14: return kda__parallel(ctx, nch, kda__bintra_task, c, 10 * BT * K + 4 * C * K + 5 * BT * K + 5 * C * K + 2 * C * C + K + 8, fl);
     case 15: return kda__parallel(ctx, nch, kda__rcumsum_task, c, 2 * K, 2.0 * BT * K);
     case 16: return kda__parallel(ctx, c->HV, kda__bgate_task, c, 2 * K, 30.0 * c->p->B * c->p->T * K);
     }
