@@ -116,6 +116,8 @@ typedef struct kda_context_options {
 kda_status kda_context_create(kda_context **ctx, kda_backend backend, const kda_context_options *opts);
 void kda_context_destroy(kda_context *ctx);
 kda_backend kda_context_backend(const kda_context *ctx);
+/* CPU threads the context uses (>= 1). */
+int kda_context_num_threads(const kda_context *ctx);
 /* Message of the last failed call on ctx ("" after a successful call). */
 const char *kda_last_error(const kda_context *ctx);
 const char *kda_status_string(kda_status s);
@@ -283,8 +285,9 @@ typedef struct kda_work {
 #define KDA_WORK_FWD 1  /* the forward fields (this part is what kda_fwd_outputs.saved holds) */
 #define KDA_WORK_BWD 2  /* the backward fields */
 /* Carves the fields of `parts` out of base (which may be NULL to only measure)
- * in a fixed order, each 256-byte aligned, and returns the bytes needed.
- * Fields of other parts are left as they are. */
+ * in a fixed order and returns the bytes needed. Any base alignment works: the
+ * fields start at base rounded up to 256 bytes (the size counts that slack), and
+ * each field is 256-byte aligned. Fields of other parts are left as they are. */
 size_t kda_work_layout(const kda_problem *p, int parts, void *base, kda_work *w);
 
 /* Forward stages, in order. Each reads/writes the kda_work fields named. */
@@ -819,13 +822,17 @@ void kda_context_destroy(kda_context *ctx) {
     if (o.free) o.free(o.user, ctx);
     else KDA_FREE(ctx, o.user);
 }
-kda_backend kda_context_backend(const kda_context *ctx) { return ctx->backend; }
+kda_backend kda_context_backend(const kda_context *ctx) { return ctx ? ctx->backend : KDA_BACKEND_CPU; }
+int kda_context_num_threads(const kda_context *ctx) { return ctx ? ctx->num_threads : 1; }
 const char *kda_last_error(const kda_context *ctx) { return ctx ? ctx->err : "no context (out of memory?)"; }
 void kda_set_workspace(kda_context *ctx, void *ptr, size_t bytes) {
+    if (!ctx) return;
     ctx->workspace = ptr;
     ctx->workspace_size = ptr ? bytes : 0;
 }
-void kda_set_stream(kda_context *ctx, void *stream) { ctx->stream = stream; }
+void kda_set_stream(kda_context *ctx, void *stream) {
+    if (ctx) ctx->stream = stream;
+}
 
 /* ------------------------------------------------------- problem & checks */
 
@@ -990,6 +997,7 @@ static kda__chunk kda__chunk_at(const kda_problem *p, const kda__seqs *s, long l
 
 size_t kda_work_layout(const kda_problem *p, int parts, void *base, kda_work *w) {
     size_t off = 0, rows = (size_t)p->B * (size_t)p->T;
+    if (base) base = (void *)(((uintptr_t)base + 255) & ~(uintptr_t)255);
     size_t HK = rows * (size_t)p->H * (size_t)p->K, VK = rows * (size_t)p->HV * (size_t)p->K;
     size_t VV = rows * (size_t)p->HV * (size_t)p->V, VB = rows * (size_t)p->HV * (size_t)p->chunk_size;
     size_t S = (size_t)kda_max_chunks(p) * (size_t)p->HV * (size_t)p->K * (size_t)p->V;
@@ -1017,7 +1025,7 @@ size_t kda_work_layout(const kda_problem *p, int parts, void *base, kda_work *w)
     }
 #undef KDA__CARVE
 #undef KDA__CARVE_T
-    return off;
+    return off + 255; /* the base is aligned up to 256 bytes inside the buffer */
 }
 
 size_t kda_fwd_saved_size(const kda_problem *p) { return kda_work_layout(p, KDA_WORK_FWD, NULL, NULL); }
