@@ -4,7 +4,8 @@
 #   make bench       CPU throughput (JSON lines)
 CC      ?= cc
 CXX     ?= c++
-OPT     ?= -O3 -march=native
+# 512-bit vectors where the compiler takes the flag (the CPU GEMM tiles for them)
+OPT     ?= -O3 -march=native $(shell $(CC) -mprefer-vector-width=512 -E -x c /dev/null >/dev/null 2>&1 && echo -mprefer-vector-width=512)
 WARN     = -std=c11 -Wall -Wextra -Werror
 LDLIBS   = -lm -lpthread -ldl
 BUILD   ?= build

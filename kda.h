@@ -497,15 +497,35 @@ static void kda__st(void *p, kda_dtype t, size_t i, float x) {
     else if (t == KDA_BF16) ((uint16_t *)p)[i] = kda_f32_to_bf16(x);
     else ((uint16_t *)p)[i] = kda_f32_to_f16(x);
 }
+/* Row loads and stores (n <= KDA_MAX_HEAD_DIM); the bf16 loops vectorize. */
 static void kda__ld_row(float *dst, const void *p, kda_dtype t, size_t off, int n) {
     int i;
-    if (t == KDA_F32) memcpy(dst, (const float *)p + off, (size_t)n * 4);
-    else for (i = 0; i < n; i++) dst[i] = kda__ld(p, t, off + (size_t)i);
+    if (t == KDA_F32) {
+        memcpy(dst, (const float *)p + off, (size_t)n * 4);
+    } else if (t == KDA_BF16) {
+        uint32_t u[KDA_MAX_HEAD_DIM];
+        const uint16_t *s = (const uint16_t *)p + off;
+        for (i = 0; i < n; i++) u[i] = (uint32_t)s[i] << 16;
+        memcpy(dst, u, (size_t)n * 4);
+    } else {
+        for (i = 0; i < n; i++) dst[i] = kda_f16_to_f32(((const uint16_t *)p)[off + (size_t)i]);
+    }
 }
 static void kda__st_row(void *p, kda_dtype t, size_t off, const float *src, int n) {
     int i;
-    if (t == KDA_F32) memcpy((float *)p + off, src, (size_t)n * 4);
-    else for (i = 0; i < n; i++) kda__st(p, t, off + (size_t)i, src[i]);
+    if (t == KDA_F32) {
+        memcpy((float *)p + off, src, (size_t)n * 4);
+    } else if (t == KDA_BF16) {
+        uint32_t u[KDA_MAX_HEAD_DIM];
+        uint16_t *d = (uint16_t *)p + off;
+        memcpy(u, src, (size_t)n * 4);
+        for (i = 0; i < n; i++) {
+            uint32_t r = (u[i] + 0x7fffu + ((u[i] >> 16) & 1u)) >> 16;
+            d[i] = (uint16_t)((u[i] & 0x7fffffffu) > 0x7f800000u ? (u[i] >> 16) | 0x40u : r);
+        }
+    } else {
+        for (i = 0; i < n; i++) ((uint16_t *)p)[off + (size_t)i] = kda_f32_to_f16(src[i]);
+    }
 }
 
 static float kda__sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -612,6 +632,39 @@ static void kda__mul(float *KDA__RESTRICT y, const float *KDA__RESTRICT x, int n
  * KDA__TRANS_A, op(A)[i][k] = A[k * lda + i] (A stored transposed). */
 #define KDA__LOWER 1
 #define KDA__TRANS_A 2
+/* One 4-row register tile of NT columns (NT a constant at each call, so the
+ * loops unroll and the accumulators stay in registers). */
+static inline void kda__mm_tile(const int NT, int kend, float alpha, const float *a0, size_t si, size_t sk,
+                                const float *B, int ldb, int acc, float *C, int ldc) {
+    float c0[32] = {0}, c1[32] = {0}, c2[32] = {0}, c3[32] = {0};
+    int kk, j;
+    for (kk = 0; kk < kend; kk++) {
+        const float *b = B + (size_t)kk * ldb, *ak = a0 + (size_t)kk * sk;
+        float x0 = ak[0], x1 = ak[si], x2 = ak[2 * si], x3 = ak[3 * si];
+        for (j = 0; j < NT; j++) {
+            c0[j] += x0 * b[j]; c1[j] += x1 * b[j]; c2[j] += x2 * b[j]; c3[j] += x3 * b[j];
+        }
+    }
+    if (acc) {
+        for (j = 0; j < NT; j++) {
+            C[j] += alpha * c0[j]; C[ldc + j] += alpha * c1[j];
+            C[2 * ldc + j] += alpha * c2[j]; C[3 * ldc + j] += alpha * c3[j];
+        }
+    } else {
+        for (j = 0; j < NT; j++) {
+            C[j] = alpha * c0[j]; C[ldc + j] = alpha * c1[j];
+            C[2 * ldc + j] = alpha * c2[j]; C[3 * ldc + j] = alpha * c3[j];
+        }
+    }
+}
+
+/* C[M,N] = alpha * op(A)[M,Kd] B[Kd,N] (+ C when acc), row-major with leading
+ * dimensions. flags: KDA__LOWER, op(A) is lower triangular (zero for k > i);
+ * KDA__TRANS_A, op(A)[i][k] = A[k * lda + i] (A stored transposed).
+ * Register tiles of 4 rows x 32 columns with AVX-512 (8 registers: enough FMAs
+ * in flight), else 4 x 16 (AVX2 has 16 ymm registers), then 16, then a tail. */
+#define KDA__LOWER 1
+#define KDA__TRANS_A 2
 static void kda__mm(int M, int N, int Kd, float alpha, const float *A, int lda, int flags,
                     const float *B, int ldb, int acc, float *C, int ldc) {
     int i0 = 0, j, kk, lower = flags & KDA__LOWER;
@@ -620,25 +673,13 @@ static void kda__mm(int M, int N, int Kd, float alpha, const float *A, int lda, 
         int R = M - i0 < 4 ? M - i0 : 4, r, j0 = 0;
         int kend = lower ? (i0 + R < Kd ? i0 + R : Kd) : Kd;
         const float *a0 = A + (size_t)i0 * si;
-        for (; j0 + 16 <= N && R == 4; j0 += 16) {
-            float c0[16] = {0}, c1[16] = {0}, c2[16] = {0}, c3[16] = {0};
-            for (kk = 0; kk < kend; kk++) {
-                const float *b = B + (size_t)kk * ldb + j0, *ak = a0 + (size_t)kk * sk;
-                float x0 = ak[0], x1 = ak[si], x2 = ak[2 * si], x3 = ak[3 * si];
-                for (j = 0; j < 16; j++) {
-                    c0[j] += x0 * b[j]; c1[j] += x1 * b[j]; c2[j] += x2 * b[j]; c3[j] += x3 * b[j];
-                }
-            }
-            {
-                float *cr[4];
-                float *cs[4];
-                cr[0] = c0; cr[1] = c1; cr[2] = c2; cr[3] = c3;
-                for (r = 0; r < 4; r++) {
-                    cs[r] = C + (size_t)(i0 + r) * ldc + j0;
-                    if (acc) for (j = 0; j < 16; j++) cs[r][j] += alpha * cr[r][j];
-                    else for (j = 0; j < 16; j++) cs[r][j] = alpha * cr[r][j];
-                }
-            }
+        if (R == 4) {
+#if defined(__AVX512F__)
+            for (; j0 + 32 <= N; j0 += 32)
+                kda__mm_tile(32, kend, alpha, a0, si, sk, B + j0, ldb, acc, C + (size_t)i0 * ldc + j0, ldc);
+#endif
+            for (; j0 + 16 <= N; j0 += 16)
+                kda__mm_tile(16, kend, alpha, a0, si, sk, B + j0, ldb, acc, C + (size_t)i0 * ldc + j0, ldc);
         }
         if (j0 < N) { /* remaining columns (or rows of a short row tile), one row at a time */
             int w = N - j0;
@@ -1139,13 +1180,17 @@ static void kda__gate_cumsum_task(void *arg, long long item, float *scratch) {
     kda__chunk ch = kda__chunk_at(c->p, &c->s, item / c->HV);
     int hv = (int)(item % c->HV), i, d;
     double *acc = (double *)scratch;
+    float *x = (float *)(acc + c->K);
     for (d = 0; d < c->K; d++) acc[d] = 0.0;
     for (i = 0; i < ch.n; i++) {
         size_t off = ((size_t)(ch.t0 + i) * c->HV + hv) * c->K;
-        for (d = 0; d < c->K; d++) {
-            acc[d] += kda__gate_value(c->p, c->in, hv, d, (double)kda__ld(c->in->g, c->p->g_dtype, off + d));
-            c->w->G[off + d] = acc[d] * 1.4426950408889634; /* 1/ln2 */
-        }
+        double *G = c->w->G + off;
+        kda__ld_row(x, c->in->g, c->p->g_dtype, off, c->K);
+        if (c->p->gate == KDA_GATE_NONE)
+            for (d = 0; d < c->K; d++) acc[d] += x[d];
+        else
+            for (d = 0; d < c->K; d++) acc[d] += kda__gate_value(c->p, c->in, hv, d, (double)x[d]);
+        for (d = 0; d < c->K; d++) G[d] = acc[d] * 1.4426950408889634; /* 1/ln2 */
     }
 }
 
@@ -1822,7 +1867,7 @@ static kda_status kda__cpu_stage(kda_context *ctx, kda__cpu *c, int stage) {
     double fl = kda__chunk_flops(c);
     switch (stage) {
     case 0: return kda__cpu_prepare(ctx, c);
-    case 1: return kda__parallel(ctx, nch, kda__gate_cumsum_task, c, 2 * K, 30.0 * BT * K);
+    case 1: return kda__parallel(ctx, nch, kda__gate_cumsum_task, c, 3 * K, 30.0 * BT * K);
     case 2: return kda__parallel(ctx, nch, kda__intra_task, c, 3 * BT * K + K * C + 2 * K + 2 * BT * BT, fl);
     case 3: return kda__parallel(ctx, nch, kda__solve_task, c, 2 * BT * BT, (double)BT * BT * BT / 3);
     case 4: return kda__parallel(ctx, nch, kda__wu_task, c, BT * (K + V) + K, fl);
