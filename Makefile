@@ -28,6 +28,17 @@ $(TOOLS) $(UNITS):
 	@mkdir -p $(dir $@)
 	$(CC) $(WARN) $(OPT) $(CFLAGS) -o $@ $< $(LDLIBS)
 
+# Every kernel as C++ for the CPU emulator (tests/cuda_emu.h), and the test that
+# runs each one against its CPU twin through kda.h's device backend code.
+PYTHON  ?= python3
+TEMPLATES = $(wildcard templates/*.j2) gen/kda_gen.py gen/table.py
+build/emu/kernels_emu.inc kernels_generated/kda_kernels.h: $(TEMPLATES)
+	@mkdir -p $(dir $@)
+	$(PYTHON) gen/kda_gen.py --allow-missing --emu $@ >/dev/null
+$(BUILD)/test_gpu_stages: tests/test_gpu_stages.cpp tests/cuda_emu.h tests/testlib.h kda.h build/emu/kernels_emu.inc
+	@mkdir -p $(dir $@)
+	$(CXX) -std=c++20 -O1 -Wall -Wextra -Wno-unused-function -Wno-missing-field-initializers -Wno-unknown-pragmas $(CFLAGS) -pthread -o $@ $< $(LDLIBS)
+
 demo: $(BUILD)/demo
 	./$(BUILD)/demo
 

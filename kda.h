@@ -29,6 +29,8 @@
  * Options (#define before the implementation include):
  *     KDA_MALLOC(sz,user) / KDA_FREE(p,user)  default host allocator (also per context)
  *     KDA_NO_THREADS                          build the CPU path single-threaded
+ *     KDA_NO_CUDA                             leave the CUDA backend out (CPU only)
+ *     KDA_EMBED_CUBINS                        use the cubins of `make cubins` (kda_cubins.h)
  *
  * Environment: KDA_NUM_THREADS (CPU threads; default: all cores), KDA_LOG=1
  * (log lines to stderr unless the context has a log callback).
@@ -179,6 +181,9 @@ typedef struct kda_inputs {
     const float *dt_bias;    /* [HV*K]: optional with a gate */
     const float *h0;         /* [N,HV,K,V] or [N,HV,V,K]; NULL = zero initial state */
     const void *cu_seqlens;  /* [N+1] when num_seqs > 0: starts at 0, non-decreasing, ends at T */
+    const void *cu_seqlens_host; /* optional host copy of cu_seqlens. A device backend needs the
+                                    values on the host (to validate them and size the grid): without
+                                    this copy it reads them back, which waits for the stream. */
 } kda_inputs;
 
 typedef struct kda_fwd_outputs {
@@ -212,8 +217,12 @@ typedef struct kda_recurrent_io {
      * padding: the sequence is skipped, its o rows and every slot it names stay
      * untouched. in.h0 and ht must be NULL in this form. */
     float *state_pool;
-    const int32_t *slots;    /* [N] */
+    const int32_t *slots;    /* [N], in the backend's memory */
     int num_slots;
+    const int32_t *slots_host; /* optional host copy of slots, validated when given (range, no
+                                  slot named twice). The CUDA backend does not read slots back:
+                                  without this copy a slot outside [0, num_slots) is skipped like
+                                  padding, and a slot named twice is a race (undefined). */
 } kda_recurrent_io;
 
 /* ---------------------------------------------------------------------------
@@ -231,10 +240,24 @@ kda_status kda_chunk_bwd(kda_context *ctx, const kda_problem *p, const kda_input
 kda_status kda_recurrent_fwd(kda_context *ctx, const kda_problem *p, const kda_inputs *in,
                              const kda_recurrent_io *io);
 
+/* Memory of the context's backend: host memory on the CPU, device memory with CUDA.
+ * kda_memcpy directions: KDA_COPY_H2D, KDA_COPY_D2H, KDA_COPY_D2D; copies are ordered
+ * on the context's stream, and a copy to the host returns when the data is there. */
+#define KDA_COPY_H2D 0
+#define KDA_COPY_D2H 1
+#define KDA_COPY_D2D 2
+kda_status kda_malloc(kda_context *ctx, size_t bytes, void **ptr);
+kda_status kda_free(kda_context *ctx, void *ptr);
+kda_status kda_memcpy(kda_context *ctx, void *dst, const void *src, size_t bytes, int direction);
+kda_status kda_memset(kda_context *ctx, void *dst, int byte, size_t bytes);
+/* Waits until every call made on the context's stream has finished. */
+kda_status kda_synchronize(kda_context *ctx);
+
 /* Bytes of kda_fwd_outputs.saved; bytes of workspace each operation needs at most. */
 size_t kda_fwd_saved_size(const kda_problem *p);
 size_t kda_fwd_workspace_size(const kda_problem *p);
 size_t kda_bwd_workspace_size(const kda_problem *p, int have_saved);
+size_t kda_recurrent_workspace_size(const kda_problem *p);
 
 /* ---------------------------------------------------------------------------
  * Stages. The chunked forward and backward are sequences of the stages below
@@ -276,6 +299,7 @@ typedef struct kda_work {
                            terms cancel in the reverse cumsum (e.g. k*dk_s against the last
                            row's sum of them), which fp32 would not do exactly. */
     float *dL;          /* [B,T,HV,BT] gradient w.r.t. L */
+    float *dw;          /* [B,T,HV,K] gradient w.r.t. w: -dv2 S0^T (S0 = h of the chunk) */
     float *dbeta;       /* [B,T,HV]   gradient w.r.t. beta after the sigmoid */
     float *dgate;       /* [B,T,HV,K] gradient w.r.t. the log decay a (reverse cumsum of dG) */
     float *dqn, *dkn;   /* [B,T,H,K]  dq, dk summed over the group (before l2norm bwd) */
@@ -315,7 +339,7 @@ kda_status kda_stage_bwd_dAv(kda_context *ctx, const kda_problem *p, const kda_i
 /* B2: dh, dv2 (and dh0 when non-NULL) from qg, kg, w, G, dout, dvl, dht: reverse scan. */
 kda_status kda_stage_bwd_dhu(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w,
                              const void *dout, const float *dht, float *dh0);
-/* B3: dqh, dkh, dG, dL, dbeta and dv (dtype, final) from the forward fields, dh, dv2, dout. */
+/* B3: dqh, dkh, dG, dL, dbeta, dw and dv (dtype, final) from the forward fields, dh, dv2, dout. */
 kda_status kda_stage_bwd_wy(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w,
                             const void *dout, void *dv);
 /* B4: adds the intra-chunk terms (through Aqk and L) to dqh, dkh, dG, dbeta. */
@@ -337,6 +361,25 @@ kda_status kda_l2norm_fwd(kda_context *ctx, long long rows, int D, const void *x
                           float *y, float *rstd);
 kda_status kda_l2norm_bwd(kda_context *ctx, long long rows, int D, const float *y, const float *rstd,
                           const float *dy, void *dx, kda_dtype dtype);
+
+/* ---------------------------------------------------------------------------
+ * Kernels (CUDA backend). Each stage is a CUDA kernel rendered from templates/
+ * per specialisation (kernels_generated/kda_kernels.h, which kda.h includes when
+ * it sits beside it). A context compiles what a call needs through NVRTC on first
+ * use, caching cubins in memory and on disk ($KDA_CACHE_DIR, else
+ * $XDG_CACHE_HOME/kda, else ~/.cache/kda); KDA_CUBIN_DIR or KDA_EMBED_CUBINS
+ * supply ahead-of-time cubins so a deployment needs no NVRTC.
+ * ------------------------------------------------------------------------- */
+/* Compiles (or loads) every kernel a forward, backward and decode of p need, in
+ * parallel threads, so that later calls do not wait for NVRTC. CPU: no-op. */
+kda_status kda_warmup(kda_context *ctx, const kda_problem *p);
+/* The kernel table, for tools: count, names, and one kernel compiled through
+ * NVRTC for an architecture ("sm_80", "sm_90a"), without a GPU. *cubin (free()
+ * it) is a verified-cubin file as KDA_CUBIN_DIR expects it, named file_name. */
+int kda_kernel_count(void);
+const char *kda_kernel_name(int i);
+kda_status kda_compile_kernel(kda_context *ctx, int i, const char *arch, void **cubin, size_t *size, char *file_name,
+                              size_t file_name_size);
 
 /* ---------------------------------------------------------------------------
  * Small helpers, handy for callers with fp16/bf16 data.
@@ -385,8 +428,11 @@ const char *kda_dtype_name(kda_dtype t);
 #define KDA__BC 16                 /* sub-chunk rows */
 #define KDA__ERRLEN 2048
 
+struct kda__devops;
 struct kda_context {
     kda_backend backend;
+    const struct kda__devops *dev; /* device backends: their memory, copies and launches */
+    void *devstate;
     kda_context_options opt;
     int num_threads;
     int log_enabled;
@@ -431,6 +477,20 @@ static void kda__log(kda_context *ctx, const char *fmt, ...) {
     va_end(ap);
     if (ctx->opt.log) ctx->opt.log(ctx->opt.user, line);
     else fprintf(stderr, "kda: %s\n", line);
+}
+
+/* A warning: always shown (log callback, else stderr), unlike kda__log. */
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3), unused))
+#endif
+static void kda__warn(kda_context *ctx, const char *fmt, ...) {
+    char line[1200];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    if (ctx->opt.log) ctx->opt.log(ctx->opt.user, line);
+    else fprintf(stderr, "kda: warning: %s\n", line);
 }
 
 const char *kda_status_string(kda_status s) {
@@ -827,6 +887,10 @@ static int kda__env_int(const char *name, int dflt) {
     return atoi(s);
 }
 
+#ifndef KDA_NO_CUDA
+static kda_status kda__cuda_open(kda_context *ctx);
+#endif
+
 kda_status kda_context_create(kda_context **out, kda_backend backend, const kda_context_options *opts) {
     kda_context *ctx;
     kda_context_options o;
@@ -849,16 +913,24 @@ kda_status kda_context_create(kda_context **out, kda_backend backend, const kda_
         kda__log(ctx, "context: cpu backend, %d threads", ctx->num_threads);
         return KDA_OK;
     }
-    if (backend == KDA_BACKEND_CUDA)
-        return kda__fail(ctx, KDA_ERROR_UNSUPPORTED,
-                         "the CUDA backend is not implemented in this version of kda.h; use KDA_BACKEND_CPU");
+    if (backend == KDA_BACKEND_CUDA) {
+#ifndef KDA_NO_CUDA
+        return kda__cuda_open(ctx);
+#else
+        return kda__fail(ctx, KDA_ERROR_UNSUPPORTED, "kda.h was built with KDA_NO_CUDA; use KDA_BACKEND_CPU");
+#endif
+    }
     return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "backend: unknown value %d (expected KDA_BACKEND_CPU or KDA_BACKEND_CUDA)",
                      (int)backend);
 }
 
+struct kda__devops;
+static void kda__dev_destroy(kda_context *ctx);
+
 void kda_context_destroy(kda_context *ctx) {
     kda_context_options o;
     if (!ctx) return;
+    kda__dev_destroy(ctx);
     o = ctx->opt;
     if (o.free) o.free(o.user, ctx);
     else KDA_FREE(ctx, o.user);
@@ -956,8 +1028,9 @@ kda_status kda_problem_check(kda_context *ctx, const kda_problem *p) {
     return s;
 }
 
-/* Checks the inputs every op reads. cu_seqlens is host memory on the CPU. */
-static kda_status kda__check_inputs(kda_context *ctx, const kda_problem *p, const kda_inputs *in, int need_h0_ok) {
+/* Checks the inputs every op reads; cu is the host copy of cu_seqlens (varlen). */
+static kda_status kda__check_inputs(kda_context *ctx, const kda_problem *p, const kda_inputs *in, int need_h0_ok,
+                                    const void *cu) {
     int n;
     KDA__REQ(in != NULL, "inputs: NULL pointer");
     KDA__REQ(in->q && in->k && in->v && in->g && in->beta,
@@ -973,16 +1046,15 @@ static kda_status kda__check_inputs(kda_context *ctx, const kda_problem *p, cons
         return KDA_OK;
     }
     KDA__REQ(in->cu_seqlens, "inputs: cu_seqlens is required when problem.num_seqs=%d > 0", p->num_seqs);
-    if (ctx->backend != KDA_BACKEND_CPU) return KDA_OK; /* device memory: checked on the device */
-    KDA__REQ(kda__cu(p, in->cu_seqlens, 0) == 0, "inputs: cu_seqlens[0]=%lld must be 0",
-             kda__cu(p, in->cu_seqlens, 0));
+    if (!cu) return KDA_OK; /* values checked once the host copy is there */
+    KDA__REQ(kda__cu(p, cu, 0) == 0, "inputs: cu_seqlens[0]=%lld must be 0", kda__cu(p, cu, 0));
     for (n = 0; n < p->num_seqs; n++) {
-        long long a = kda__cu(p, in->cu_seqlens, n), b = kda__cu(p, in->cu_seqlens, n + 1);
+        long long a = kda__cu(p, cu, n), b = kda__cu(p, cu, n + 1);
         KDA__REQ(b >= a, "inputs: cu_seqlens decreases at index %d (%lld -> %lld)", n + 1, a, b);
     }
-    KDA__REQ(kda__cu(p, in->cu_seqlens, p->num_seqs) == p->T,
+    KDA__REQ(kda__cu(p, cu, p->num_seqs) == p->T,
              "inputs: cu_seqlens[%d]=%lld must equal T=%d (the total number of tokens)", p->num_seqs,
-             kda__cu(p, in->cu_seqlens, p->num_seqs), p->T);
+             kda__cu(p, cu, p->num_seqs), p->T);
     return KDA_OK;
 }
 #undef KDA__REQ
@@ -1061,7 +1133,7 @@ size_t kda_work_layout(const kda_problem *p, int parts, void *base, kda_work *w)
     if (parts & KDA_WORK_BWD) {
         KDA__CARVE(dAqk, VB); KDA__CARVE(dvl, VV); KDA__CARVE(dh, S); KDA__CARVE(dv2, VV);
         KDA__CARVE(dqh, VK); KDA__CARVE(dkh, VK); KDA__CARVE_T(dG, VK, double); KDA__CARVE(dL, VB);
-        KDA__CARVE(dbeta, VK / (size_t)p->K); KDA__CARVE(dgate, VK);
+        KDA__CARVE(dbeta, VK / (size_t)p->K); KDA__CARVE(dgate, VK); KDA__CARVE(dw, VK);
         KDA__CARVE(dqn, HK); KDA__CARVE(dkn, HK);
     }
 #undef KDA__CARVE
@@ -1069,11 +1141,6 @@ size_t kda_work_layout(const kda_problem *p, int parts, void *base, kda_work *w)
     return off + 255; /* the base is aligned up to 256 bytes inside the buffer */
 }
 
-size_t kda_fwd_saved_size(const kda_problem *p) { return kda_work_layout(p, KDA_WORK_FWD, NULL, NULL); }
-size_t kda_fwd_workspace_size(const kda_problem *p) { return kda_work_layout(p, KDA_WORK_FWD, NULL, NULL); }
-size_t kda_bwd_workspace_size(const kda_problem *p, int have_saved) {
-    return kda_work_layout(p, have_saved ? KDA_WORK_BWD : (KDA_WORK_FWD | KDA_WORK_BWD), NULL, NULL);
-}
 
 /* ===================================================================== CPU
  * The chunked algorithm, stage by stage, in fp32 with fp32 (or double, where
@@ -1089,12 +1156,13 @@ typedef struct {
     kda__seqs s;
     int G, BT, K, V, H, HV;
     float scale;
-    /* stage-specific */
+    /* stage-specific inputs and outputs (NULL when not requested) */
     const void *dout;
     const float *dht;
-    float *ht, *dh0, *dA_log, *ddt_bias;
-    void *out;     /* o, dv or dg */
+    float *ht, *dh0, *dA_log, *ddt_bias, *h_out;
+    void *o, *dv, *dg, *dq, *dk, *dbeta;
     const kda_recurrent_io *rio;
+    void *dev_tables;  /* device backends: the sequence tables (varlen) */
 } kda__cpu;
 
 /* Sets the shape fields; the caller zeroes c and sets the stage-specific ones. */
@@ -1389,7 +1457,7 @@ static void kda__output_task(void *arg, long long item, float *scratch) {
     kda__mm(ch.n, V, ch.n, 1.0f, KDA__AT(c->w->Aqk, ch.t0, rb, hv, BT), (int)rb, 1,
             KDA__AT(c->w->vn, ch.t0, rv, hv, V), (int)rv, 1, o, V);
     for (i = 0; i < ch.n; i++)
-        kda__st_row(c->out, c->p->dtype, ((size_t)(ch.t0 + i) * c->HV + hv) * V, o + (size_t)i * V, V);
+        kda__st_row(c->o, c->p->dtype, ((size_t)(ch.t0 + i) * c->HV + hv) * V, o + (size_t)i * V, V);
 }
 
 /* ---- B1: dAqk, dvl ---- */
@@ -1502,7 +1570,7 @@ static void kda__wy_task(void *arg, long long item, float *scratch) {
         float b = beta[(size_t)i * c->HV];
         dbeta[i] = kda__dot(dbv + (size_t)i * V, vl + (size_t)i * V, V);
         for (d = 0; d < V; d++) dbv[(size_t)i * V + d] *= b;
-        if (c->out) kda__st_row(c->out, c->p->dtype, ((size_t)(ch.t0 + i) * c->HV + hv) * V, dbv + (size_t)i * V, V);
+        if (c->dv) kda__st_row(c->dv, c->p->dtype, ((size_t)(ch.t0 + i) * c->HV + hv) * V, dbv + (size_t)i * V, V);
     }
     /* through w = M (beta k E) */
     kda__mm(n, K, n, 1.0f, MT, BT, 0, dw, K, 0, dkb, K);
@@ -1520,6 +1588,7 @@ static void kda__wy_task(void *arg, long long item, float *scratch) {
         }
         if (i == n - 1) for (d = 0; d < K; d++) dGi[d] += extra[d];
         memcpy(KDA__AT(c->w->dqh, ch.t0 + i, rk, hv, K), dqi, sizeof(float) * K);
+        memcpy(KDA__AT(c->w->dw, ch.t0 + i, rk, hv, K), dw + (size_t)i * K, sizeof(float) * K);
         c->w->dbeta[(size_t)(ch.t0 + i) * c->HV + hv] = dbeta[i];
     }
     /* dL = -strict_lower(M^T strict_lower(dM) M^T) */
@@ -1731,7 +1800,7 @@ static void kda__bgate_task(void *arg, long long item, float *scratch) {
                 }
                 dbias[d] += dx;
             }
-            if (c->out) kda__st(c->out, p->g_dtype, off + d, (float)dx);
+            if (c->dg) kda__st(c->dg, p->g_dtype, off + d, (float)dx);
         }
     }
     if (c->dA_log) c->dA_log[hv] = (p->gate == KDA_GATE_LOWER_BOUND && !in->A_log) ? 0.0f : (float)dA;
@@ -1766,7 +1835,7 @@ static void kda__dbeta_task(void *arg, long long item, float *scratch) {
             float s = kda__sigmoid(kda__ld(c->in->beta, c->p->beta_dtype, i));
             db *= (c->p->allow_neg_eigval ? 2.0f : 1.0f) * s * (1.0f - s);
         }
-        kda__st(c->out, c->p->beta_dtype, i, db);
+        kda__st(c->dbeta, c->p->beta_dtype, i, db);
     }
 }
 
@@ -1848,7 +1917,7 @@ static void kda__recurrent_task(void *arg, long long item, float *scratch) {
             kda__axpy(Sd, b * kv[d], e, V);
             kda__axpy(o, qv[d], Sd, V);
         }
-        kda__st_row(c->out, p->dtype, vo, o, V);
+        kda__st_row(c->o, p->dtype, vo, o, V);
     }
     if (dst)
         for (d = 0; d < K; d++)
@@ -1859,6 +1928,17 @@ static void kda__recurrent_task(void *arg, long long item, float *scratch) {
 
 static double kda__chunk_flops(const kda__cpu *c) {
     return 2.0 * c->BT * ((double)c->K * c->V + (double)c->BT * (c->K + c->V));
+}
+
+static kda_status kda__cpu_bwd_qkb(kda_context *ctx, kda__cpu *c) {
+    const kda_problem *p = c->p;
+    long long rows = (long long)p->B * p->T, nrb = (rows + KDA__ROWBLK - 1) / KDA__ROWBLK;
+    kda_status s;
+    if ((s = kda__parallel(ctx, nrb, kda__gva_task, c, 0, (double)KDA__ROWBLK * p->HV * p->K))) return s;
+    if ((s = kda__l2norm_bwd_rows(ctx, rows * p->H, p->K, c->w->qn, c->w->rstd_q, c->w->dqn, c->dq, p->dtype))) return s;
+    if ((s = kda__l2norm_bwd_rows(ctx, rows * p->H, p->K, c->w->kn, c->w->rstd_k, c->w->dkn, c->dk, p->dtype))) return s;
+    if (!c->dbeta) return KDA_OK;
+    return kda__parallel(ctx, (rows * p->HV + 4095) / 4096, kda__dbeta_task, c, 0, 4096.0 * 20);
 }
 
 static kda_status kda__cpu_stage(kda_context *ctx, kda__cpu *c, int stage) {
@@ -1880,21 +1960,11 @@ static kda_status kda__cpu_stage(kda_context *ctx, kda__cpu *c, int stage) {
     case 14: return kda__parallel(ctx, nch, kda__bintra_task, c, 10 * BT * K + 4 * C * K + 5 * BT * K + 5 * C * K + 2 * C * C + K + 8, fl);
     case 15: return kda__parallel(ctx, nch, kda__rcumsum_task, c, 2 * K, 2.0 * BT * K);
     case 16: return kda__parallel(ctx, c->HV, kda__bgate_task, c, 2 * K, 30.0 * c->p->B * c->p->T * K);
+    case 17: return kda__cpu_bwd_qkb(ctx, c);
     }
     return kda__fail(ctx, KDA_ERROR_INTERNAL, "unknown stage %d", stage);
 }
 
-static kda_status kda__cpu_bwd_qkb(kda_context *ctx, kda__cpu *c, void *dq, void *dk, void *dbeta) {
-    const kda_problem *p = c->p;
-    long long rows = (long long)p->B * p->T, nrb = (rows + KDA__ROWBLK - 1) / KDA__ROWBLK;
-    kda_status s;
-    if ((s = kda__parallel(ctx, nrb, kda__gva_task, c, 0, (double)KDA__ROWBLK * p->HV * p->K))) return s;
-    if ((s = kda__l2norm_bwd_rows(ctx, rows * p->H, p->K, c->w->qn, c->w->rstd_q, c->w->dqn, dq, p->dtype))) return s;
-    if ((s = kda__l2norm_bwd_rows(ctx, rows * p->H, p->K, c->w->kn, c->w->rstd_k, c->w->dkn, dk, p->dtype))) return s;
-    c->out = dbeta;
-    if (!dbeta) return KDA_OK;
-    return kda__parallel(ctx, (rows * p->HV + 4095) / 4096, kda__dbeta_task, c, 0, 4096.0 * 20);
-}
 
 /* ------------------------------------------------------ public stage API */
 
@@ -1921,7 +1991,7 @@ static kda_status kda__stage_needs(kda_context *ctx, const kda_problem *p, const
         KDA__NEED(dh); KDA__NEED(dv2); break;
     case 13: name = "bwd_wy"; KDA__NEED(qn); KDA__NEED(kn); KDA__NEED(G); KDA__NEED(beta); KDA__NEED(h);
         KDA__NEED(dh); KDA__NEED(dv2); KDA__NEED(vn); KDA__NEED(M); KDA__NEED(dqh); KDA__NEED(dkh);
-        KDA__NEED(dG); KDA__NEED(dL); KDA__NEED(dbeta); break;
+        KDA__NEED(dG); KDA__NEED(dL); KDA__NEED(dbeta); KDA__NEED(dw); break;
     case 14: name = "bwd_intra"; KDA__NEED(qn); KDA__NEED(kn); KDA__NEED(G); KDA__NEED(beta); KDA__NEED(dAqk);
         KDA__NEED(dL); KDA__NEED(dqh); KDA__NEED(dkh); KDA__NEED(dG); KDA__NEED(dbeta); break;
     case 15: name = "bwd_cumsum"; KDA__NEED(dG); KDA__NEED(dgate); break;
@@ -1935,25 +2005,1028 @@ static kda_status kda__stage_needs(kda_context *ctx, const kda_problem *p, const
     return KDA_OK;
 }
 
-static kda_status kda__backend_cpu_only(kda_context *ctx) {
-    if (ctx->backend == KDA_BACKEND_CPU) return KDA_OK;
-    return kda__fail(ctx, KDA_ERROR_UNSUPPORTED, "this operation is not implemented for the CUDA backend yet");
+
+/* ================================================================ devices
+ * A device backend is a table of memory, copy and launch functions. The CUDA
+ * backend below fills it with the driver API; tests fill it with a CPU
+ * emulator (tests/cuda_emu.h) so that CI runs every kernel without a GPU. The
+ * stage sequencing, the kernel choice and the kernel arguments are shared. */
+
+/* One generated kernel: its stage, specialisation (-1: not an axis of the
+ * stage), launch geometry and source (kernels_generated/kda_kernels.h). */
+typedef struct kda__kdesc {
+    const char *stage, *name;
+    int dtype, bt, bk, bv, gate, l2norm, varlen, grid, threads;
+    const char *src;
+} kda__kdesc;
+#define KDA__GRID_ROWS 0
+#define KDA__GRID_CHUNK_HEAD 1
+#define KDA__GRID_CHUNK_HEAD_V 2
+#define KDA__GRID_SEQ_HEAD_V 3
+#define KDA__GRID_HEAD 4
+
+#if !defined(KDA_NO_CUDA) && defined(__has_include)
+#if __has_include("kernels_generated/kda_kernels.h")
+#include "kernels_generated/kda_kernels.h"
+#define KDA__HAVE_KERNELS 1
+#endif
+#endif
+#ifndef KDA__HAVE_KERNELS
+#define KDA__NUM_KERNELS 0
+#define KDA__KERNELS_DIGEST "none"
+#define KDA__ROWS_PER_BLOCK 8
+static const kda__kdesc *const kda__kernels = NULL;
+#endif
+
+/* The kernels' one argument (templates/kda_common.cuh.j2, struct KdaParams):
+ * same fields in the same order, every field 8 bytes wide. */
+typedef struct kda__kparams {
+    long long B, T, H, HV, K, V, BT, G, N, NT, rows;
+    long long qk_l2norm, gate, beta_sigmoid, allow_neg_eigval;
+    long long layout, g_dtype, beta_dtype, varlen;
+    double scale, lower_bound;
+    const int32_t *chunk_seq;
+    const long long *seq_bos, *seq_len, *seq_chunk0;
+    const void *q, *k, *v, *g, *beta;
+    const float *A_log, *dt_bias, *h0;
+    float *qn, *kn, *rstd_q, *rstd_k, *beta_f;
+    double *Gc;
+    float *Aqk, *L, *M, *w, *u, *kg, *qg, *h, *vn;
+    float *dAqk, *dvl, *dh, *dv2, *dqh, *dkh;
+    double *dG;
+    float *dL, *dbeta_f, *dgate, *dqn, *dkn, *dw;
+    void *o;
+    float *ht;
+    const void *dout;
+    const float *dht;
+    float *dh0;
+    void *dv, *dg, *dq, *dk, *dbeta;
+    float *dA_log, *ddt_bias;
+    float *state_pool;
+    const int32_t *slots;
+    long long num_slots;
+} kda__kparams;
+
+#define KDA__H2D 0
+#define KDA__D2H 1
+#define KDA__D2D 2
+typedef struct kda__devops {
+    const char *name;
+    kda_status (*alloc)(kda_context *ctx, size_t bytes, void **ptr); /* ordered on the stream */
+    kda_status (*release)(kda_context *ctx, void *ptr);              /* ordered on the stream */
+    kda_status (*copy)(kda_context *ctx, void *dst, const void *src, size_t bytes, int kind); /* D2H waits */
+    kda_status (*fill)(kda_context *ctx, void *dst, int byte, size_t bytes);
+    kda_status (*launch)(kda_context *ctx, const kda__kdesc *k, const unsigned grid[3], const kda__kparams *a);
+    kda_status (*sync)(kda_context *ctx);
+    void (*destroy)(kda_context *ctx);
+} kda__devops;
+
+static int kda__on_device(const kda_context *ctx) { return ctx->dev != NULL; }
+static void kda__dev_destroy(kda_context *ctx) {
+    if (ctx->dev && ctx->dev->destroy) ctx->dev->destroy(ctx);
 }
 
-/* Validates and runs one stage on its own. */
+/* A context on a device backend (the CUDA one, or a test's). */
+#if defined(__GNUC__)
+__attribute__((unused))
+#endif
+static kda_status kda__context_create_dev(kda_context **out, kda_backend backend, const kda__devops *dev,
+                                          void *devstate, const kda_context_options *opts) {
+    kda_status s = kda_context_create(out, KDA_BACKEND_CPU, opts);
+    if (s != KDA_OK) return s;
+    (*out)->backend = backend;
+    (*out)->dev = dev;
+    (*out)->devstate = devstate;
+    return KDA_OK;
+}
+
+kda_status kda_malloc(kda_context *ctx, size_t bytes, void **ptr) {
+    if (!ctx || !ptr) return ctx ? kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "kda_malloc: ptr is NULL") : KDA_ERROR_INVALID_ARGUMENT;
+    ctx->err[0] = 0;
+    *ptr = NULL;
+    if (kda__on_device(ctx)) return ctx->dev->alloc(ctx, bytes ? bytes : 1, ptr);
+    *ptr = kda__alloc(ctx, bytes);
+    return *ptr ? KDA_OK : kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "kda_malloc: cannot allocate %zu bytes", bytes);
+}
+kda_status kda_free(kda_context *ctx, void *ptr) {
+    if (!ctx) return KDA_ERROR_INVALID_ARGUMENT;
+    if (!ptr) return KDA_OK;
+    if (kda__on_device(ctx)) return ctx->dev->release(ctx, ptr);
+    kda__free(ctx, ptr);
+    return KDA_OK;
+}
+kda_status kda_memcpy(kda_context *ctx, void *dst, const void *src, size_t bytes, int direction) {
+    if (!ctx) return KDA_ERROR_INVALID_ARGUMENT;
+    ctx->err[0] = 0;
+    if (bytes == 0) return KDA_OK;
+    if (!dst || !src) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "kda_memcpy: dst=%p src=%p must not be NULL", dst, src);
+    if (direction < KDA_COPY_H2D || direction > KDA_COPY_D2D)
+        return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "kda_memcpy: direction=%d is not KDA_COPY_H2D/D2H/D2D", direction);
+    if (kda__on_device(ctx)) return ctx->dev->copy(ctx, dst, src, bytes, direction);
+    memmove(dst, src, bytes);
+    return KDA_OK;
+}
+kda_status kda_memset(kda_context *ctx, void *dst, int byte, size_t bytes) {
+    if (!ctx) return KDA_ERROR_INVALID_ARGUMENT;
+    ctx->err[0] = 0;
+    if (bytes == 0) return KDA_OK;
+    if (!dst) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "kda_memset: dst is NULL");
+    if (kda__on_device(ctx)) return ctx->dev->fill(ctx, dst, byte, bytes);
+    memset(dst, byte, bytes);
+    return KDA_OK;
+}
+kda_status kda_synchronize(kda_context *ctx) {
+    if (!ctx) return KDA_ERROR_INVALID_ARGUMENT;
+    return kda__on_device(ctx) ? ctx->dev->sync(ctx) : KDA_OK;
+}
+
+/* ================================================================== CUDA
+ * libcuda and libnvrtc are loaded with dlopen and every symbol is looked up by
+ * name: nothing is linked, and a machine without either still runs the CPU
+ * backend. Kernels come, in this order, from the context's loaded modules, the
+ * cubins embedded with KDA_EMBED_CUBINS, the folder KDA_CUBIN_DIR, the disk
+ * cache, and finally NVRTC (whose result then goes to the disk cache). Every
+ * cubin read from anywhere is verified (length, checksum, key) before use. */
+#ifndef KDA_NO_CUDA
+#include <dlfcn.h>
+#include <errno.h>
+#include <unistd.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <time.h>
+
+typedef int kda__CUresult;
+typedef int kda__CUdevice;
+typedef void *kda__CUcontext;
+typedef void *kda__CUmodule;
+typedef void *kda__CUfunction;
+typedef void *kda__CUstream;
+typedef unsigned long long kda__CUdeviceptr;
+typedef void *kda__nvrtcProgram;
+
+/* ---- SHA-256 (FIPS 180-4): the cache key and the cubin checksum ---- */
+typedef struct { uint32_t h[8]; uint64_t n; unsigned char buf[64]; size_t len; } kda__sha256;
+static const uint32_t kda__sha_k[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5, 0xd807aa98,
+    0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786,
+    0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8,
+    0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13,
+    0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819,
+    0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a,
+    0x5b9cca4f, 0x682e6ff3, 0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
+    0xc67178f2};
+#define KDA__ROR(x, n) (((x) >> (n)) | ((x) << (32 - (n))))
+static void kda__sha_block(kda__sha256 *s, const unsigned char *b) {
+    uint32_t w[64], a, bb, c, d, e, f, g, h, t1, t2;
+    int i;
+    for (i = 0; i < 16; i++) w[i] = (uint32_t)b[4 * i] << 24 | (uint32_t)b[4 * i + 1] << 16 | (uint32_t)b[4 * i + 2] << 8 | b[4 * i + 3];
+    for (i = 16; i < 64; i++)
+        w[i] = (KDA__ROR(w[i - 2], 17) ^ KDA__ROR(w[i - 2], 19) ^ (w[i - 2] >> 10)) + w[i - 7] +
+               (KDA__ROR(w[i - 15], 7) ^ KDA__ROR(w[i - 15], 18) ^ (w[i - 15] >> 3)) + w[i - 16];
+    a = s->h[0]; bb = s->h[1]; c = s->h[2]; d = s->h[3]; e = s->h[4]; f = s->h[5]; g = s->h[6]; h = s->h[7];
+    for (i = 0; i < 64; i++) {
+        t1 = h + (KDA__ROR(e, 6) ^ KDA__ROR(e, 11) ^ KDA__ROR(e, 25)) + ((e & f) ^ (~e & g)) + kda__sha_k[i] + w[i];
+        t2 = (KDA__ROR(a, 2) ^ KDA__ROR(a, 13) ^ KDA__ROR(a, 22)) + ((a & bb) ^ (a & c) ^ (bb & c));
+        h = g; g = f; f = e; e = d + t1; d = c; c = bb; bb = a; a = t1 + t2;
+    }
+    s->h[0] += a; s->h[1] += bb; s->h[2] += c; s->h[3] += d; s->h[4] += e; s->h[5] += f; s->h[6] += g; s->h[7] += h;
+}
+static void kda__sha_init(kda__sha256 *s) {
+    static const uint32_t h0[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+    memcpy(s->h, h0, sizeof h0);
+    s->n = 0;
+    s->len = 0;
+}
+static void kda__sha_add(kda__sha256 *s, const void *data, size_t n) {
+    const unsigned char *p = (const unsigned char *)data;
+    s->n += n;
+    while (n) {
+        size_t take = 64 - s->len < n ? 64 - s->len : n;
+        memcpy(s->buf + s->len, p, take);
+        s->len += take; p += take; n -= take;
+        if (s->len == 64) { kda__sha_block(s, s->buf); s->len = 0; }
+    }
+}
+static void kda__sha_end(kda__sha256 *s, unsigned char out[32]) {
+    uint64_t bits = s->n * 8;
+    unsigned char pad = 0x80, z = 0, len[8];
+    int i;
+    kda__sha_add(s, &pad, 1);
+    while (s->len != 56) kda__sha_add(s, &z, 1);
+    for (i = 0; i < 8; i++) len[i] = (unsigned char)(bits >> (56 - 8 * i));
+    kda__sha_add(s, len, 8);
+    for (i = 0; i < 8; i++) {
+        out[4 * i] = (unsigned char)(s->h[i] >> 24); out[4 * i + 1] = (unsigned char)(s->h[i] >> 16);
+        out[4 * i + 2] = (unsigned char)(s->h[i] >> 8); out[4 * i + 3] = (unsigned char)s->h[i];
+    }
+}
+static void kda__sha_str(kda__sha256 *s, const char *str) { kda__sha_add(s, str, strlen(str) + 1); }
+static void kda__hex(const unsigned char *d, int n, char *out) {
+    int i;
+    for (i = 0; i < n; i++) sprintf(out + 2 * i, "%02x", d[i]);
+}
+
+/* ---- cubin files: a header carrying the payload's length, checksum and key ---- */
+#define KDA__CUBIN_MAGIC "KDACUBIN"
+#define KDA__CUBIN_HDR 88 /* magic 8, format 4, pad 4, length 8, key 32, sha256(payload) 32 */
+static size_t kda__cubin_wrap(const void *cubin, size_t n, const unsigned char key[32], unsigned char **out) {
+    kda__sha256 s;
+    unsigned char *b = (unsigned char *)malloc(KDA__CUBIN_HDR + n);
+    uint32_t fmt = 1, pad = 0;
+    uint64_t len = n;
+    if (!b) return 0;
+    memcpy(b, KDA__CUBIN_MAGIC, 8);
+    memcpy(b + 8, &fmt, 4); memcpy(b + 12, &pad, 4); memcpy(b + 16, &len, 8); memcpy(b + 24, key, 32);
+    kda__sha_init(&s); kda__sha_add(&s, cubin, n); kda__sha_end(&s, b + 56);
+    memcpy(b + KDA__CUBIN_HDR, cubin, n);
+    *out = b;
+    return KDA__CUBIN_HDR + n;
+}
+/* The payload of a wrapped cubin when it is intact and made for `key`, else NULL. */
+static const unsigned char *kda__cubin_verify(const unsigned char *b, size_t n, const unsigned char key[32]) {
+    kda__sha256 s;
+    unsigned char sum[32];
+    uint32_t fmt;
+    uint64_t len;
+    if (n < KDA__CUBIN_HDR || memcmp(b, KDA__CUBIN_MAGIC, 8) != 0) return NULL;
+    memcpy(&fmt, b + 8, 4);
+    memcpy(&len, b + 16, 8);
+    if (fmt != 1 || len != n - KDA__CUBIN_HDR || memcmp(b + 24, key, 32) != 0) return NULL;
+    kda__sha_init(&s); kda__sha_add(&s, b + KDA__CUBIN_HDR, (size_t)len); kda__sha_end(&s, sum);
+    return memcmp(sum, b + 56, 32) == 0 ? b + KDA__CUBIN_HDR : NULL;
+}
+static unsigned char *kda__read_file(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    unsigned char *b = NULL;
+    long sz;
+    if (!f) return NULL;
+    if (fseek(f, 0, SEEK_END) == 0 && (sz = ftell(f)) > 0 && fseek(f, 0, SEEK_SET) == 0 &&
+        (b = (unsigned char *)malloc((size_t)sz)) && fread(b, 1, (size_t)sz, f) == (size_t)sz) {
+        *n = (size_t)sz;
+    } else {
+        free(b);
+        b = NULL;
+    }
+    fclose(f);
+    return b;
+}
+/* Writes a file atomically: a temp file in the same folder, then rename. 0 on success. */
+static int kda__write_file_atomic(const char *path, const void *data, size_t n) {
+    static unsigned counter;
+    struct timespec ts;
+    char tmp[1100];
+    int fd, ok;
+    timespec_get(&ts, TIME_UTC);
+    /* unique among processes (pid), threads (counter) and runs (time) */
+    if (snprintf(tmp, sizeof tmp, "%s.tmp.%ld.%u.%ld", path, (long)getpid(), counter++, (long)ts.tv_nsec) >= (int)sizeof tmp)
+        return -1;
+    fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL, 0600);
+    if (fd < 0) return -1;
+    ok = write(fd, data, n) == (ssize_t)n;
+    ok = (close(fd) == 0) && ok;
+    if (!ok || rename(tmp, path) != 0) {
+        unlink(tmp);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- NVRTC ---- */
+typedef struct {
+    void *lib;
+    int major, minor;
+    int (*create)(kda__nvrtcProgram *, const char *, const char *, int, const char *const *, const char *const *);
+    int (*compile)(kda__nvrtcProgram, int, const char *const *);
+    int (*log_size)(kda__nvrtcProgram, size_t *);
+    int (*log)(kda__nvrtcProgram, char *);
+    int (*cubin_size)(kda__nvrtcProgram, size_t *);
+    int (*cubin)(kda__nvrtcProgram, char *);
+    int (*destroy)(kda__nvrtcProgram *);
+    int (*version)(int *, int *);
+    const char *(*error_string)(int);
+} kda__nvrtc;
+
+/* Loads libnvrtc: $KDA_NVRTC_PATH, else the known sonames, else under $CUDA_HOME /
+ * $CUDA_PATH / /usr/local/cuda. The names tried go to `tried` for the error. */
+static int kda__nvrtc_load(kda__nvrtc *nv, char *tried, size_t tried_n) {
+    static const char *const names[] = {"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so.11.8", "libnvrtc.so.11.7",
+                                        "libnvrtc.so.11.6", "libnvrtc.so.11.5", "libnvrtc.so.11.4", "libnvrtc.so.11.3",
+                                        "libnvrtc.so.11.2", "libnvrtc.so.11.1", "libnvrtc.so.11.0", "libnvrtc.so"};
+    const char *env = getenv("KDA_NVRTC_PATH"), *roots[3];
+    char path[1024];
+    size_t i, r;
+    memset(nv, 0, sizeof *nv);
+    tried[0] = 0;
+    if (env && *env) {
+        snprintf(tried, tried_n, "%s (KDA_NVRTC_PATH)", env);
+        nv->lib = dlopen(env, RTLD_NOW | RTLD_LOCAL);
+    }
+    roots[0] = getenv("CUDA_HOME"); roots[1] = getenv("CUDA_PATH"); roots[2] = "/usr/local/cuda";
+    for (i = 0; !nv->lib && !(env && *env) && i < sizeof names / sizeof names[0]; i++) {
+        nv->lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+        for (r = 0; !nv->lib && r < 3; r++)
+            if (roots[r] && *roots[r]) {
+                snprintf(path, sizeof path, "%s/lib64/%s", roots[r], names[i]);
+                nv->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+            }
+    }
+    if (!nv->lib) {
+        if (!(env && *env)) snprintf(tried, tried_n, "libnvrtc.so.13/.12/.11.x in the loader path and CUDA_HOME, CUDA_PATH, /usr/local/cuda (lib64)");
+        return -1;
+    }
+#define KDA__NV(field, sym) *(void **)&nv->field = dlsym(nv->lib, sym)
+    KDA__NV(create, "nvrtcCreateProgram"); KDA__NV(compile, "nvrtcCompileProgram");
+    KDA__NV(log_size, "nvrtcGetProgramLogSize"); KDA__NV(log, "nvrtcGetProgramLog");
+    KDA__NV(cubin_size, "nvrtcGetCUBINSize"); KDA__NV(cubin, "nvrtcGetCUBIN");
+    KDA__NV(destroy, "nvrtcDestroyProgram"); KDA__NV(version, "nvrtcVersion");
+    KDA__NV(error_string, "nvrtcGetErrorString");
+#undef KDA__NV
+    if (!nv->create || !nv->compile || !nv->log_size || !nv->log || !nv->cubin_size || !nv->cubin || !nv->destroy ||
+        !nv->version || !nv->error_string) {
+        snprintf(tried, tried_n, "a libnvrtc without nvrtcGetCUBIN (NVRTC >= 11.1 is needed)");
+        dlclose(nv->lib);
+        nv->lib = NULL;
+        return -1;
+    }
+    nv->version(&nv->major, &nv->minor);
+    return 0;
+}
+
+/* NVRTC options for an architecture ("sm_90a"); the kernels need no CUDA headers. */
+static int kda__nvrtc_options(const char *arch, const char *opts[8], char *archopt, size_t n) {
+    snprintf(archopt, n, "-arch=%s", arch);
+    opts[0] = archopt;
+    opts[1] = "-std=c++17";
+    opts[2] = "-default-device";
+    opts[3] = "-DKDA_NVRTC=1";
+    return 4;
+}
+
+/* The cache key of kernel k for arch: SHA-256 of the library version, the NVRTC
+ * version (0.0 for the AOT key, which a deployment without NVRTC must be able to
+ * compute), every option, the shared header and the kernel's source. */
+static void kda__kernel_key(const kda__kdesc *k, const char *arch, int nv_major, int nv_minor, unsigned char key[32]) {
+    kda__sha256 s;
+    const char *opts[8];
+    char archopt[64], ver[64];
+    int i, n = kda__nvrtc_options(arch, opts, archopt, sizeof archopt);
+    kda__sha_init(&s);
+    snprintf(ver, sizeof ver, "kda %s nvrtc %d.%d", KDA_VERSION_STRING, nv_major, nv_minor);
+    kda__sha_str(&s, ver);
+    for (i = 0; i < n; i++) kda__sha_str(&s, opts[i]);
+#ifdef KDA__HAVE_KERNELS
+    kda__sha_str(&s, kda__src_common);
+#endif
+    kda__sha_str(&s, k->name);
+    kda__sha_str(&s, k->src);
+    kda__sha_end(&s, key);
+}
+
+/* Compiles kernel k for arch; on success *out is the wrapped cubin (header + payload,
+ * key = the full cache key). On a compile error the message has the full log. */
+static kda_status kda__nvrtc_compile(kda_context *ctx, const kda__nvrtc *nv, const kda__kdesc *k, const char *arch,
+                                     unsigned char **out, size_t *out_n) {
+#ifdef KDA__HAVE_KERNELS
+    kda__nvrtcProgram prog = NULL;
+    const char *opts[8], *hdr_src[1], *hdr_name[1];
+    char archopt[64];
+    int n = kda__nvrtc_options(arch, opts, archopt, sizeof archopt), r, i;
+    size_t sz = 0;
+    unsigned char key[32];
+    char *bin;
+    hdr_src[0] = kda__src_common;
+    hdr_name[0] = "kda_common.cuh";
+    *out = NULL;
+    if ((r = nv->create(&prog, k->src, k->name, 1, hdr_src, hdr_name)) != 0)
+        return kda__fail(ctx, KDA_ERROR_COMPILE, "nvrtcCreateProgram(%s): %s", k->name, nv->error_string(r));
+    r = nv->compile(prog, n, opts);
+    if (r != 0) {
+        size_t ls = 0, used;
+        char *log;
+        nv->log_size(prog, &ls);
+        log = (char *)malloc(ls + 1);
+        if (log) { log[0] = 0; nv->log(prog, log); log[ls] = 0; }
+        used = (size_t)snprintf(ctx->err, sizeof ctx->err, "nvrtcCompileProgram(%s) failed: %s; options:", k->name,
+                                nv->error_string(r));
+        for (i = 0; i < n && used < sizeof ctx->err; i++)
+            used += (size_t)snprintf(ctx->err + used, sizeof ctx->err - used, " %s", opts[i]);
+        if (used < sizeof ctx->err) snprintf(ctx->err + used, sizeof ctx->err - used, "; log:\n%s", log ? log : "");
+        kda__log(ctx, "compile error in %s (%s): %s", k->name, arch, log ? log : "");
+        free(log);
+        nv->destroy(&prog);
+        return KDA_ERROR_COMPILE;
+    }
+    nv->cubin_size(prog, &sz);
+    bin = (char *)malloc(sz ? sz : 1);
+    if (!bin) { nv->destroy(&prog); return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "cannot allocate %zu bytes", sz); }
+    nv->cubin(prog, bin);
+    nv->destroy(&prog);
+    kda__kernel_key(k, arch, nv->major, nv->minor, key);
+    *out_n = kda__cubin_wrap(bin, sz, key, out);
+    free(bin);
+    return *out ? KDA_OK : kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "cannot allocate %zu bytes", sz);
+#else
+    (void)nv; (void)arch; (void)out; (void)out_n;
+    return kda__fail(ctx, KDA_ERROR_UNSUPPORTED, "kernel %s: kda.h was built without kernels_generated/", k ? k->name : "?");
+#endif
+}
+
+/* ---- the driver API ---- */
+typedef struct {
+    void *lib;
+    kda__CUresult (*init)(unsigned);
+    kda__CUresult (*driver_version)(int *);
+    kda__CUresult (*device_get)(kda__CUdevice *, int);
+    kda__CUresult (*device_count)(int *);
+    kda__CUresult (*device_attr)(int *, int, kda__CUdevice);
+    kda__CUresult (*device_name)(char *, int, kda__CUdevice);
+    kda__CUresult (*primary_retain)(kda__CUcontext *, kda__CUdevice);
+    kda__CUresult (*primary_release)(kda__CUdevice);
+    kda__CUresult (*ctx_push)(kda__CUcontext);
+    kda__CUresult (*ctx_pop)(kda__CUcontext *);
+    kda__CUresult (*module_load)(kda__CUmodule *, const void *);
+    kda__CUresult (*module_unload)(kda__CUmodule);
+    kda__CUresult (*module_function)(kda__CUfunction *, kda__CUmodule, const char *);
+    kda__CUresult (*launch)(kda__CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                            kda__CUstream, void **, void **);
+    kda__CUresult (*mem_alloc)(kda__CUdeviceptr *, size_t);
+    kda__CUresult (*mem_free)(kda__CUdeviceptr);
+    kda__CUresult (*mem_alloc_async)(kda__CUdeviceptr *, size_t, kda__CUstream);
+    kda__CUresult (*mem_free_async)(kda__CUdeviceptr, kda__CUstream);
+    kda__CUresult (*h2d)(kda__CUdeviceptr, const void *, size_t, kda__CUstream);
+    kda__CUresult (*d2h)(void *, kda__CUdeviceptr, size_t, kda__CUstream);
+    kda__CUresult (*d2d)(kda__CUdeviceptr, kda__CUdeviceptr, size_t, kda__CUstream);
+    kda__CUresult (*memset8)(kda__CUdeviceptr, unsigned char, size_t, kda__CUstream);
+    kda__CUresult (*stream_sync)(kda__CUstream);
+    kda__CUresult (*error_name)(kda__CUresult, const char **);
+    kda__CUresult (*error_string)(kda__CUresult, const char **);
+} kda__cuapi;
+
+typedef struct { char name[96]; kda__CUmodule mod; kda__CUfunction fn; } kda__kmod;
+typedef struct {
+    kda__cuapi cu;
+    kda__nvrtc nv;
+    int nv_ok;
+    char nv_tried[512];
+    kda__CUdevice dev;
+    kda__CUcontext pctx;
+    int cc_major, cc_minor, async_alloc;
+    char arch[16], name[128];
+    char cache_dir[1024];
+    int cache_state; /* 0 unknown, 1 usable, -1 unusable (warned) */
+    kda__kmod *mods;
+    int nmods, cap;
+} kda__cuda;
+
+static kda_status kda__cu_fail(kda_context *ctx, const kda__cuda *c, kda__CUresult r, const char *call, const char *what) {
+    const char *nm = "?", *msg = "?";
+    if (c->cu.error_name) c->cu.error_name(r, &nm);
+    if (c->cu.error_string) c->cu.error_string(r, &msg);
+    return kda__fail(ctx, KDA_ERROR_BACKEND, "%s(%s) failed: %s (%d: %s)", call, what ? what : "", nm ? nm : "?", r,
+                     msg ? msg : "?");
+}
+#define KDA__CU(call_expr, name, what)                                                       \
+    do {                                                                                     \
+        kda__CUresult r_ = (call_expr);                                                      \
+        if (r_ != 0) return kda__cu_fail(ctx, c, r_, name, what);                            \
+    } while (0)
+
+static kda__cuda *kda__cu_state(kda_context *ctx) { return (kda__cuda *)ctx->devstate; }
+
+/* Pushes the device's primary context for the duration of a call. */
+static kda_status kda__cu_enter(kda_context *ctx, kda__cuda *c) {
+    KDA__CU(c->cu.ctx_push(c->pctx), "cuCtxPushCurrent", c->name);
+    return KDA_OK;
+}
+static void kda__cu_leave(kda__cuda *c) {
+    kda__CUcontext dummy;
+    c->cu.ctx_pop(&dummy);
+}
+
+static kda_status kda__cu_alloc(kda_context *ctx, size_t bytes, void **ptr) {
+    kda__cuda *c = kda__cu_state(ctx);
+    kda__CUdeviceptr d = 0;
+    kda__CUresult r;
+    kda_status s;
+    if ((s = kda__cu_enter(ctx, c))) return s;
+    r = c->async_alloc ? c->cu.mem_alloc_async(&d, bytes, (kda__CUstream)ctx->stream) : c->cu.mem_alloc(&d, bytes);
+    kda__cu_leave(c);
+    if (r) return kda__cu_fail(ctx, c, r, c->async_alloc ? "cuMemAllocAsync" : "cuMemAlloc", "workspace");
+    *ptr = (void *)(uintptr_t)d;
+    return KDA_OK;
+}
+static kda_status kda__cu_release(kda_context *ctx, void *ptr) {
+    kda__cuda *c = kda__cu_state(ctx);
+    kda__CUresult r;
+    kda_status s;
+    if ((s = kda__cu_enter(ctx, c))) return s;
+    r = c->async_alloc ? c->cu.mem_free_async((kda__CUdeviceptr)(uintptr_t)ptr, (kda__CUstream)ctx->stream)
+                       : c->cu.mem_free((kda__CUdeviceptr)(uintptr_t)ptr);
+    kda__cu_leave(c);
+    return r ? kda__cu_fail(ctx, c, r, c->async_alloc ? "cuMemFreeAsync" : "cuMemFree", "") : KDA_OK;
+}
+static kda_status kda__cu_copy(kda_context *ctx, void *dst, const void *src, size_t bytes, int kind) {
+    kda__cuda *c = kda__cu_state(ctx);
+    kda__CUstream st = (kda__CUstream)ctx->stream;
+    kda__CUresult r;
+    kda_status s;
+    if ((s = kda__cu_enter(ctx, c))) return s;
+    if (kind == KDA__H2D) r = c->cu.h2d((kda__CUdeviceptr)(uintptr_t)dst, src, bytes, st);
+    else if (kind == KDA__D2D) r = c->cu.d2d((kda__CUdeviceptr)(uintptr_t)dst, (kda__CUdeviceptr)(uintptr_t)src, bytes, st);
+    else {
+        r = c->cu.d2h(dst, (kda__CUdeviceptr)(uintptr_t)src, bytes, st);
+        if (!r) r = c->cu.stream_sync(st); /* the host reads it next */
+    }
+    kda__cu_leave(c);
+    return r ? kda__cu_fail(ctx, c, r, kind == KDA__H2D ? "cuMemcpyHtoDAsync" : kind == KDA__D2D ? "cuMemcpyDtoDAsync" : "cuMemcpyDtoHAsync", "") : KDA_OK;
+}
+static kda_status kda__cu_fill(kda_context *ctx, void *dst, int byte, size_t bytes) {
+    kda__cuda *c = kda__cu_state(ctx);
+    kda__CUresult r;
+    kda_status s;
+    if ((s = kda__cu_enter(ctx, c))) return s;
+    r = c->cu.memset8((kda__CUdeviceptr)(uintptr_t)dst, (unsigned char)byte, bytes, (kda__CUstream)ctx->stream);
+    kda__cu_leave(c);
+    return r ? kda__cu_fail(ctx, c, r, "cuMemsetD8Async", "") : KDA_OK;
+}
+static kda_status kda__cu_sync(kda_context *ctx) {
+    kda__cuda *c = kda__cu_state(ctx);
+    kda__CUresult r;
+    kda_status s;
+    if ((s = kda__cu_enter(ctx, c))) return s;
+    r = c->cu.stream_sync((kda__CUstream)ctx->stream);
+    kda__cu_leave(c);
+    return r ? kda__cu_fail(ctx, c, r, "cuStreamSynchronize", "") : KDA_OK;
+}
+
+/* The disk cache folder: $KDA_CACHE_DIR, $XDG_CACHE_HOME/kda or ~/.cache/kda, created 0700. */
+static int kda__cache_dir(char *out, size_t n) {
+    const char *e = getenv("KDA_CACHE_DIR"), *x = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
+    char tmp[1024];
+    size_t i;
+    if (e && *e) snprintf(out, n, "%s", e);
+    else if (x && *x) snprintf(out, n, "%s/kda", x);
+    else if (home && *home) snprintf(out, n, "%s/.cache/kda", home);
+    else return -1;
+    snprintf(tmp, sizeof tmp, "%s", out);
+    for (i = 1; tmp[i]; i++) /* parents as usual, the cache folder itself private */
+        if (tmp[i] == '/') { tmp[i] = 0; mkdir(tmp, 0755); tmp[i] = '/'; }
+    if (mkdir(tmp, 0700) != 0 && errno != EEXIST) return -1;
+    return access(out, W_OK) == 0 ? 0 : -1;
+}
+
+#if defined(KDA_EMBED_CUBINS)
+/* Generated by `make cubins`: kda__embedded[] of {name, arch, bytes, size}. */
+#include "kda_cubins.h"
+#endif
+
+/* Where a kernel came from, for KDA_LOG. */
+static const char *const kda__origin[] = {"embedded", "aot", "cache hit", "cache miss"};
+
+/* A wrapped cubin for kernel k: from the embedded set, KDA_CUBIN_DIR, the cache,
+ * or NVRTC (then stored in the cache). *origin says which. */
+static kda_status kda__cubin_get(kda_context *ctx, kda__cuda *c, const kda__kdesc *k, unsigned char **out, size_t *n,
+                                 const unsigned char **payload, int *origin) {
+    unsigned char aot_key[32], key[32];
+    char hex[65], path[1400];
+    const char *dir = getenv("KDA_CUBIN_DIR");
+    kda_status s;
+    kda__kernel_key(k, c->arch, 0, 0, aot_key);
+    kda__hex(aot_key, 8, hex);
+#if defined(KDA_EMBED_CUBINS)
+    {
+        size_t i;
+        for (i = 0; i < sizeof kda__embedded / sizeof kda__embedded[0]; i++)
+            if (!strcmp(kda__embedded[i].name, k->name) && !strcmp(kda__embedded[i].arch, c->arch) &&
+                (*payload = kda__cubin_verify(kda__embedded[i].bytes, kda__embedded[i].size, aot_key))) {
+                *out = NULL;
+                *n = kda__embedded[i].size;
+                *origin = 0;
+                return KDA_OK;
+            }
+    }
+#endif
+    if (dir && *dir) {
+        snprintf(path, sizeof path, "%s/%s_%s_%s.cubin", dir, k->name, c->arch, hex);
+        if ((*out = kda__read_file(path, n)) && (*payload = kda__cubin_verify(*out, *n, aot_key))) { *origin = 1; return KDA_OK; }
+        free(*out);
+    }
+    if (!c->nv_ok)
+        return kda__fail(ctx, KDA_ERROR_UNSUPPORTED, "kernel %s for %s: no cubin embedded or in KDA_CUBIN_DIR, and NVRTC "
+                         "is not available (tried %s); set KDA_NVRTC_PATH or provide ahead-of-time cubins", k->name,
+                         c->arch, c->nv_tried);
+    kda__kernel_key(k, c->arch, c->nv.major, c->nv.minor, key);
+    kda__hex(key, 8, hex);
+    if (c->cache_state == 0) c->cache_state = kda__cache_dir(c->cache_dir, sizeof c->cache_dir) == 0 ? 1 : -2;
+    if (c->cache_state == -2) {
+        c->cache_state = -1; /* warn once per context */
+        kda__warn(ctx, "kernel cache folder %s is missing or read-only: compiling in memory only",
+                  c->cache_dir[0] ? c->cache_dir : "(no KDA_CACHE_DIR, XDG_CACHE_HOME or HOME)");
+    }
+    if (c->cache_state == 1) {
+        snprintf(path, sizeof path, "%s/%s_%s_%s.cubin", c->cache_dir, k->name, c->arch, hex);
+        if ((*out = kda__read_file(path, n)) && (*payload = kda__cubin_verify(*out, *n, key))) { *origin = 2; return KDA_OK; }
+        free(*out); /* missing, short, corrupt or for another key: a miss, replaced below */
+    }
+    if ((s = kda__nvrtc_compile(ctx, &c->nv, k, c->arch, out, n))) return s;
+    *payload = *out + KDA__CUBIN_HDR;
+    *origin = 3;
+    if (c->cache_state == 1 && kda__write_file_atomic(path, *out, *n) != 0 && c->cache_state == 1) {
+        c->cache_state = -1;
+        kda__warn(ctx, "cannot write to the kernel cache %s (%s): compiling in memory only", c->cache_dir, strerror(errno));
+    }
+    return KDA_OK;
+}
+
+static double kda__now_ms(void) {
+    struct timespec t;
+    timespec_get(&t, TIME_UTC); /* C11; enough for a log line */
+    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+
+/* The loaded function of kernel k (loading its module once per context). */
+static kda_status kda__cu_function(kda_context *ctx, kda__cuda *c, const kda__kdesc *k, kda__CUfunction *fn) {
+    unsigned char *buf = NULL;
+    const unsigned char *payload = NULL;
+    size_t n = 0;
+    int i, origin = 0;
+    double t0;
+    kda__kmod m;
+    kda__CUresult r;
+    kda_status s;
+    for (i = 0; i < c->nmods; i++)
+        if (!strcmp(c->mods[i].name, k->name)) { *fn = c->mods[i].fn; return KDA_OK; }
+    t0 = kda__now_ms();
+    if ((s = kda__cubin_get(ctx, c, k, &buf, &n, &payload, &origin))) return s;
+    memset(&m, 0, sizeof m);
+    snprintf(m.name, sizeof m.name, "%s", k->name);
+    r = c->cu.module_load(&m.mod, payload);
+    free(buf);
+    if (r) return kda__cu_fail(ctx, c, r, "cuModuleLoadData", k->name);
+    if ((r = c->cu.module_function(&m.fn, m.mod, k->name))) {
+        c->cu.module_unload(m.mod);
+        return kda__cu_fail(ctx, c, r, "cuModuleGetFunction", k->name);
+    }
+    if (c->nmods == c->cap) {
+        int cap = c->cap ? 2 * c->cap : 32;
+        kda__kmod *mm = (kda__kmod *)kda__alloc(ctx, sizeof(kda__kmod) * (size_t)cap);
+        if (!mm) { c->cu.module_unload(m.mod); return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "module table"); }
+        if (c->mods) memcpy(mm, c->mods, sizeof(kda__kmod) * (size_t)c->nmods);
+        kda__free(ctx, c->mods);
+        c->mods = mm;
+        c->cap = cap;
+    }
+    c->mods[c->nmods++] = m;
+    *fn = m.fn;
+    kda__log(ctx, "load %s %s %s %.1f ms", k->name, c->arch, kda__origin[origin], kda__now_ms() - t0);
+    return KDA_OK;
+}
+
+static kda_status kda__cu_launch(kda_context *ctx, const kda__kdesc *k, const unsigned grid[3], const kda__kparams *a) {
+    kda__cuda *c = kda__cu_state(ctx);
+    kda__CUfunction fn = NULL;
+    void *args[1];
+    kda__kparams copy = *a;
+    kda__CUresult r;
+    kda_status s;
+    if ((s = kda__cu_enter(ctx, c))) return s;
+    if ((s = kda__cu_function(ctx, c, k, &fn))) { kda__cu_leave(c); return s; }
+    args[0] = &copy;
+    r = c->cu.launch(fn, grid[0], grid[1], grid[2], (unsigned)k->threads, 1, 1, 0, (kda__CUstream)ctx->stream, args, NULL);
+    kda__cu_leave(c);
+    return r ? kda__cu_fail(ctx, c, r, "cuLaunchKernel", k->name) : KDA_OK;
+}
+
+static void kda__cu_destroy(kda_context *ctx) {
+    kda__cuda *c = kda__cu_state(ctx);
+    int i;
+    if (!c) return;
+    if (c->pctx && c->cu.ctx_push(c->pctx) == 0) {
+        for (i = 0; i < c->nmods; i++) c->cu.module_unload(c->mods[i].mod);
+        kda__cu_leave(c);
+    }
+    if (c->pctx) c->cu.primary_release(c->dev);
+    kda__free(ctx, c->mods);
+    if (c->nv.lib) dlclose(c->nv.lib);
+    if (c->cu.lib) dlclose(c->cu.lib);
+    kda__free(ctx, c);
+    ctx->devstate = NULL;
+}
+
+static const kda__devops kda__cuda_ops = {"cuda", kda__cu_alloc, kda__cu_release, kda__cu_copy,
+                                          kda__cu_fill, kda__cu_launch, kda__cu_sync, kda__cu_destroy};
+
+/* Loads libcuda (KDA_CUDA_PATH overrides the name), takes the device's primary
+ * context and loads NVRTC (its absence is reported when a kernel needs it). */
+static kda_status kda__cuda_open(kda_context *ctx) {
+    const char *env = getenv("KDA_CUDA_PATH");
+    const char *libname = env && *env ? env : "libcuda.so.1";
+    kda__cuda *c = (kda__cuda *)kda__alloc(ctx, sizeof *c);
+    int count = 0;
+    if (!c) return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "cannot allocate the CUDA state");
+    memset(c, 0, sizeof *c);
+    ctx->devstate = c;
+    ctx->dev = &kda__cuda_ops;
+    c->cu.lib = dlopen(libname, RTLD_NOW | RTLD_LOCAL);
+    if (!c->cu.lib)
+        return kda__fail(ctx, KDA_ERROR_UNSUPPORTED, "cannot load the CUDA driver %s%s (%s); the CPU backend works without it",
+                         libname, env && *env ? " (KDA_CUDA_PATH)" : "", dlerror());
+#define KDA__CUSYM(field, sym)                                                                          \
+    if (!(*(void **)&c->cu.field = dlsym(c->cu.lib, sym)))                                              \
+        return kda__fail(ctx, KDA_ERROR_UNSUPPORTED, "the CUDA driver %s has no %s (driver too old?)", libname, sym)
+    KDA__CUSYM(init, "cuInit"); KDA__CUSYM(driver_version, "cuDriverGetVersion");
+    KDA__CUSYM(device_get, "cuDeviceGet"); KDA__CUSYM(device_count, "cuDeviceGetCount");
+    KDA__CUSYM(device_attr, "cuDeviceGetAttribute"); KDA__CUSYM(device_name, "cuDeviceGetName");
+    KDA__CUSYM(primary_retain, "cuDevicePrimaryCtxRetain"); KDA__CUSYM(primary_release, "cuDevicePrimaryCtxRelease_v2");
+    KDA__CUSYM(ctx_push, "cuCtxPushCurrent_v2"); KDA__CUSYM(ctx_pop, "cuCtxPopCurrent_v2");
+    KDA__CUSYM(module_load, "cuModuleLoadData"); KDA__CUSYM(module_unload, "cuModuleUnload");
+    KDA__CUSYM(module_function, "cuModuleGetFunction"); KDA__CUSYM(launch, "cuLaunchKernel");
+    KDA__CUSYM(mem_alloc, "cuMemAlloc_v2"); KDA__CUSYM(mem_free, "cuMemFree_v2");
+    KDA__CUSYM(h2d, "cuMemcpyHtoDAsync_v2"); KDA__CUSYM(d2h, "cuMemcpyDtoHAsync_v2");
+    KDA__CUSYM(d2d, "cuMemcpyDtoDAsync_v2"); KDA__CUSYM(memset8, "cuMemsetD8Async");
+    KDA__CUSYM(stream_sync, "cuStreamSynchronize"); KDA__CUSYM(error_name, "cuGetErrorName");
+    KDA__CUSYM(error_string, "cuGetErrorString");
+#undef KDA__CUSYM
+    *(void **)&c->cu.mem_alloc_async = dlsym(c->cu.lib, "cuMemAllocAsync");
+    *(void **)&c->cu.mem_free_async = dlsym(c->cu.lib, "cuMemFreeAsync");
+    KDA__CU(c->cu.init(0), "cuInit", "");
+    KDA__CU(c->cu.device_count(&count), "cuDeviceGetCount", "");
+    if (ctx->opt.device < 0 || ctx->opt.device >= count)
+        return kda__fail(ctx, KDA_ERROR_UNSUPPORTED, "CUDA device %d requested, %d present", ctx->opt.device, count);
+    KDA__CU(c->cu.device_get(&c->dev, ctx->opt.device), "cuDeviceGet", "");
+    c->cu.device_name(c->name, sizeof c->name, c->dev);
+    KDA__CU(c->cu.device_attr(&c->cc_major, 75, c->dev), "cuDeviceGetAttribute", "compute capability major");
+    KDA__CU(c->cu.device_attr(&c->cc_minor, 76, c->dev), "cuDeviceGetAttribute", "compute capability minor");
+    {
+        int pools = 0;
+        c->cu.device_attr(&pools, 115, c->dev); /* CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED */
+        c->async_alloc = pools && c->cu.mem_alloc_async && c->cu.mem_free_async;
+    }
+    if (c->cc_major < 8)
+        return kda__fail(ctx, KDA_ERROR_UNSUPPORTED, "%s has compute capability %d.%d; kda's kernels need 8.0 or newer",
+                         c->name, c->cc_major, c->cc_minor);
+    /* Hopper's wgmma needs the arch-specific target */
+    snprintf(c->arch, sizeof c->arch, "sm_%d%d%s", c->cc_major, c->cc_minor, c->cc_major == 9 ? "a" : "");
+    KDA__CU(c->cu.primary_retain(&c->pctx, c->dev), "cuDevicePrimaryCtxRetain", c->name);
+    c->nv_ok = kda__nvrtc_load(&c->nv, c->nv_tried, sizeof c->nv_tried) == 0;
+    kda__log(ctx, "context: cuda device %d (%s, %s), nvrtc %s", ctx->opt.device, c->name, c->arch,
+             c->nv_ok ? "loaded" : "not found");
+    return KDA_OK;
+}
+#endif /* KDA_NO_CUDA */
+
+/* -------------------------------------------- ahead of time, and warm-up */
+
+int kda_kernel_count(void) { return KDA__NUM_KERNELS; }
+const char *kda_kernel_name(int i) { return i >= 0 && i < KDA__NUM_KERNELS ? kda__kernels[i].name : NULL; }
+
+kda_status kda_compile_kernel(kda_context *ctx, int i, const char *arch, void **cubin, size_t *size, char *file_name,
+                              size_t file_name_size) {
+    if (!ctx) return KDA_ERROR_INVALID_ARGUMENT;
+    ctx->err[0] = 0;
+    if (!cubin || !size || !arch) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "kda_compile_kernel: arch, cubin and size are required");
+    if (i < 0 || i >= KDA__NUM_KERNELS)
+        return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "kda_compile_kernel: index %d not in [0, %d)", i, KDA__NUM_KERNELS);
+#ifndef KDA_NO_CUDA
+    {
+        kda__nvrtc nv;
+        char tried[512];
+        unsigned char *out = NULL, key[32];
+        char hex[32];
+        size_t n = 0;
+        kda_status s;
+        const kda__kdesc *k = &kda__kernels[i];
+        if (kda__nvrtc_load(&nv, tried, sizeof tried) != 0)
+            return kda__fail(ctx, KDA_ERROR_UNSUPPORTED, "NVRTC not found (tried %s); set KDA_NVRTC_PATH", tried);
+        s = kda__nvrtc_compile(ctx, &nv, k, arch, &out, &n);
+        dlclose(nv.lib);
+        if (s) return s;
+        /* ahead-of-time files carry the AOT key (no NVRTC version in it) */
+        kda__kernel_key(k, arch, 0, 0, key);
+        memcpy(out + 24, key, 32);
+        kda__hex(key, 8, hex);
+        if (file_name) snprintf(file_name, file_name_size, "%s_%s_%s.cubin", k->name, arch, hex);
+        *cubin = out;
+        *size = n;
+        return KDA_OK;
+    }
+#else
+    (void)file_name; (void)file_name_size;
+    return kda__fail(ctx, KDA_ERROR_UNSUPPORTED, "built with KDA_NO_CUDA");
+#endif
+}
+
+/* ------------------------------------------------------- a call's setup */
+
+/* The host copy of cu_seqlens: the array itself on the CPU, the caller's host
+ * copy, or one read back from the device (owned, freed by kda__call_end). */
+static kda_status kda__host_cu(kda_context *ctx, const kda_problem *p, const kda_inputs *in, const void **cu,
+                               void **owned) {
+    size_t bytes = (size_t)(p->num_seqs + 1) * (p->seqlens_type == KDA_INDEX_I64 ? 8 : 4);
+    *cu = NULL;
+    *owned = NULL;
+    if (p->num_seqs == 0 || !in->cu_seqlens) return KDA_OK;
+    if (!kda__on_device(ctx)) { *cu = in->cu_seqlens; return KDA_OK; }
+    if (in->cu_seqlens_host) { *cu = in->cu_seqlens_host; return KDA_OK; }
+    *owned = kda__alloc(ctx, bytes);
+    if (!*owned) return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "cannot allocate %zu bytes", bytes);
+    *cu = *owned;
+    return ctx->dev->copy(ctx, *owned, in->cu_seqlens, bytes, KDA__D2H);
+}
+
+/* Bytes of the device sequence tables: chunk_seq int32 [NTmax], then
+ * seq_bos, seq_len int64 [N] and seq_chunk0 int64 [N+1]. */
+static size_t kda__tables_size(const kda_problem *p) {
+    size_t N = (size_t)kda_num_seqs(p), NT = (size_t)kda_max_chunks(p);
+    return p->num_seqs > 0 ? ((NT * 4 + 7) & ~(size_t)7) + 8 * (3 * N + 1) + 256 : 0;
+}
+
+/* Validates the problem and inputs, reads cu_seqlens on the host, builds the
+ * sequence tables (and uploads them for a device). After KDA_OK the caller
+ * must end with kda__call_end. */
+static kda_status kda__call_begin(kda_context *ctx, kda__cpu *c, const kda_problem *p, const kda_inputs *in,
+                                  kda_work *w, int h0_ok) {
+    const void *cu = NULL;
+    void *owned = NULL;
+    kda_status s;
+    if ((s = kda__check_problem(ctx, p)) || (s = kda__check_inputs(ctx, p, in, h0_ok, NULL))) return s;
+    if ((s = kda__host_cu(ctx, p, in, &cu, &owned)) || (s = kda__check_inputs(ctx, p, in, h0_ok, cu)) ||
+        (s = kda__seqs_build(ctx, p, cu, &c->s))) {
+        kda__free(ctx, owned);
+        return s;
+    }
+    kda__free(ctx, owned);
+    kda__cpu_init(c, p, in, w);
+    return KDA_OK;
+}
+
+/* Uploads the sequence tables into dst (kda__tables_size bytes of device memory). */
+static kda_status kda__tables_upload(kda_context *ctx, kda__cpu *c, void *dst) {
+    size_t N = (size_t)c->s.N, NT = (size_t)c->s.NT, off = (NT * 4 + 7) & ~(size_t)7;
+    size_t bytes = off + 8 * (3 * N + 1);
+    char *host;
+    kda_status s;
+    if (c->p->num_seqs == 0 || !kda__on_device(ctx)) return KDA_OK;
+    dst = (void *)(((uintptr_t)dst + 255) & ~(uintptr_t)255);
+    host = (char *)kda__alloc(ctx, bytes);
+    if (!host) return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "cannot allocate %zu bytes", bytes);
+    memset(host, 0, bytes);
+    memcpy(host, c->s.cseq, NT * 4);
+    memcpy(host + off, c->s.bos, N * 8);
+    memcpy(host + off + 8 * N, c->s.len, N * 8);
+    memcpy(host + off + 16 * N, c->s.chunk0, (N + 1) * 8);
+    s = ctx->dev->copy(ctx, dst, host, bytes, KDA__H2D); /* pageable: staged before it returns */
+    kda__free(ctx, host);
+    c->dev_tables = dst;
+    return s;
+}
+
+static void kda__call_end(kda_context *ctx, kda__cpu *c) { kda__seqs_free(ctx, &c->s); }
+
+/* Workspace of `need` bytes: the context's, or allocated for this call (freed by kda__ws_release). */
+static kda_status kda__ws_acquire(kda_context *ctx, size_t need, void **ptr, int *owned) {
+    *ptr = NULL;
+    *owned = 0;
+    if (need == 0) return KDA_OK;
+    if (ctx->workspace) {
+        if (ctx->workspace_size < need)
+            return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "workspace: %zu bytes set with kda_set_workspace, this call needs %zu",
+                             ctx->workspace_size, need);
+        *ptr = ctx->workspace;
+        return KDA_OK;
+    }
+    if (kda__on_device(ctx)) {
+        kda_status s = ctx->dev->alloc(ctx, need, ptr);
+        if (s) return s;
+    } else if (!(*ptr = kda__alloc(ctx, need))) {
+        return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "cannot allocate a workspace of %zu bytes", need);
+    }
+    *owned = 1;
+    return KDA_OK;
+}
+static void kda__ws_release(kda_context *ctx, void *ptr, int owned) {
+    if (!owned) return;
+    if (kda__on_device(ctx)) ctx->dev->release(ctx, ptr);
+    else kda__free(ctx, ptr);
+}
+
+/* ------------------------------------------------------- device stages */
+
+static const char *const kda__stage_names[] = {
+    "prepare", "gate_cumsum", "intra", "solve", "wu", "state", "output", 0, 0, 0, 0,
+    "bwd_dav", "bwd_dhu", "bwd_wy", "bwd_intra", "bwd_cumsum", "bwd_gate", "bwd_qkb", 0, 0,
+    "recurrent", "states_out"};
+#define KDA__STAGE_RECURRENT 20
+#define KDA__STAGE_STATES_OUT 21
+
+/* The kernel variant of `stage` for problem p: exact match on the axes the
+ * stage has, the smallest key tile >= K, and the smallest value tile >= V (or
+ * the largest, which then tiles V). NULL with the reason in ctx. */
+static const kda__kdesc *kda__kernel_find(kda_context *ctx, int stage, const kda_problem *p) {
+    const kda__kdesc *best = NULL;
+    const char *name = kda__stage_names[stage];
+    int i, gate = (int)p->gate, varlen = p->num_seqs > 0, any = 0;
+    for (i = 0; i < KDA__NUM_KERNELS; i++) {
+        const kda__kdesc *k = &kda__kernels[i];
+        if (strcmp(k->stage, name) != 0) continue;
+        any = 1;
+        if ((k->dtype >= 0 && k->dtype != (int)p->dtype) || (k->bt >= 0 && k->bt != p->chunk_size) ||
+            (k->gate >= 0 && k->gate != gate) || (k->l2norm >= 0 && k->l2norm != (p->qk_l2norm != 0)) ||
+            (k->varlen >= 0 && k->varlen != varlen) || (k->bk >= 0 && k->bk < p->K))
+            continue;
+        if (!best) { best = k; continue; }
+        if (k->bk >= 0 && k->bk < best->bk) { best = k; continue; }
+        if (k->bv >= 0 && k->bk == best->bk &&
+            ((best->bv < p->V && k->bv > best->bv) || (k->bv >= p->V && k->bv < best->bv))) best = k;
+    }
+    if (!best)
+        kda__fail(ctx, KDA_ERROR_UNSUPPORTED, "no %s kernel for dtype=%s chunk=%d K=%d V=%d gate=%d l2norm=%d varlen=%d%s",
+                  name, kda_dtype_name(p->dtype), p->chunk_size, p->K, p->V, gate, p->qk_l2norm != 0, varlen,
+                  any ? " (render one with gen/kda_gen.py --custom)" : " (kda.h was built without kernels_generated/)");
+    return best;
+}
+
+static void kda__kparams_fill(kda__kparams *a, const kda__cpu *c) {
+    const kda_problem *p = c->p;
+    const kda_inputs *in = c->in;
+    const kda_work *w = c->w;
+    char *tb = (char *)c->dev_tables;
+    size_t N = (size_t)c->s.N, off = ((size_t)c->s.NT * 4 + 7) & ~(size_t)7;
+    memset(a, 0, sizeof *a);
+    a->B = p->B; a->T = p->T; a->H = p->H; a->HV = p->HV; a->K = p->K; a->V = p->V; a->BT = p->chunk_size;
+    a->G = p->HV / p->H; a->N = c->s.N; a->NT = c->s.NT; a->rows = (long long)p->B * p->T;
+    a->qk_l2norm = p->qk_l2norm != 0; a->gate = p->gate; a->beta_sigmoid = p->beta_sigmoid != 0;
+    a->allow_neg_eigval = p->allow_neg_eigval != 0; a->layout = p->state_layout; a->g_dtype = p->g_dtype;
+    a->beta_dtype = p->beta_dtype; a->varlen = p->num_seqs > 0;
+    a->scale = c->scale; a->lower_bound = p->lower_bound;
+    if (tb) {
+        a->chunk_seq = (const int32_t *)tb;
+        a->seq_bos = (const long long *)(tb + off);
+        a->seq_len = a->seq_bos + N;
+        a->seq_chunk0 = a->seq_len + N;
+    }
+    a->q = in->q; a->k = in->k; a->v = in->v; a->g = in->g; a->beta = in->beta;
+    a->A_log = in->A_log; a->dt_bias = in->dt_bias; a->h0 = in->h0;
+    if (w) {
+        a->qn = w->qn; a->kn = w->kn; a->rstd_q = w->rstd_q; a->rstd_k = w->rstd_k; a->beta_f = w->beta;
+        a->Gc = w->G; a->Aqk = w->Aqk; a->L = w->L; a->M = w->M; a->w = w->w; a->u = w->u; a->kg = w->kg;
+        a->qg = w->qg; a->h = w->h; a->vn = w->vn;
+        a->dAqk = w->dAqk; a->dvl = w->dvl; a->dh = w->dh; a->dv2 = w->dv2; a->dqh = w->dqh; a->dkh = w->dkh;
+        a->dG = w->dG; a->dL = w->dL; a->dbeta_f = w->dbeta; a->dgate = w->dgate; a->dqn = w->dqn;
+        a->dkn = w->dkn; a->dw = w->dw;
+    }
+    a->o = c->o; a->ht = c->ht; a->dout = c->dout; a->dht = c->dht; a->dh0 = c->dh0;
+    a->dv = c->dv; a->dg = c->dg; a->dq = c->dq; a->dk = c->dk; a->dbeta = c->dbeta;
+    a->dA_log = c->dA_log; a->ddt_bias = c->ddt_bias;
+    if (c->rio) {
+        a->o = c->rio->o; a->ht = c->rio->ht; a->state_pool = c->rio->state_pool; a->slots = c->rio->slots;
+        a->num_slots = c->rio->num_slots;
+    }
+    if (c->h_out) a->ht = c->h_out; /* states_out writes the intermediate states through ht */
+}
+
+static kda_status kda__dev_stage(kda_context *ctx, kda__cpu *c, int stage) {
+    const kda_problem *p = c->p;
+    const kda__kdesc *k = kda__kernel_find(ctx, stage, p);
+    kda__kparams a;
+    unsigned grid[3] = {1, 1, 1};
+    long long nv;
+    if (!k) return ctx->err[0] ? KDA_ERROR_UNSUPPORTED : KDA_ERROR_INTERNAL;
+    nv = k->bv > 0 ? (p->V + k->bv - 1) / k->bv : 1;
+    switch (k->grid) {
+    case KDA__GRID_ROWS: grid[0] = (unsigned)(((long long)p->B * p->T + KDA__ROWS_PER_BLOCK - 1) / KDA__ROWS_PER_BLOCK); break;
+    case KDA__GRID_CHUNK_HEAD: grid[0] = (unsigned)c->s.NT; grid[1] = (unsigned)p->HV; break;
+    case KDA__GRID_CHUNK_HEAD_V: grid[0] = (unsigned)c->s.NT; grid[1] = (unsigned)p->HV; grid[2] = (unsigned)nv; break;
+    case KDA__GRID_SEQ_HEAD_V: grid[0] = (unsigned)c->s.N; grid[1] = (unsigned)p->HV; grid[2] = (unsigned)nv; break;
+    case KDA__GRID_HEAD: grid[0] = (unsigned)p->HV; break;
+    default: return kda__fail(ctx, KDA_ERROR_INTERNAL, "kernel %s: unknown grid kind %d", k->name, k->grid);
+    }
+    if (grid[0] == 0) return KDA_OK; /* no chunks (every sequence empty) */
+    kda__kparams_fill(&a, c);
+    return ctx->dev->launch(ctx, k, grid, &a);
+}
+
+/* One stage of the chunked algorithm on the context's backend. */
+static kda_status kda__stage(kda_context *ctx, kda__cpu *c, int stage) {
+    return kda__on_device(ctx) ? kda__dev_stage(ctx, c, stage) : kda__cpu_stage(ctx, c, stage);
+}
+
+/* ------------------------------------------------------ public stage API */
+
+/* Validates and runs one stage on its own (c carries the stage's extra arguments). */
 static kda_status kda__stage_run(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w,
                                  int stage, kda__cpu *c) {
     kda_status s;
+    void *tables = NULL;
+    int owned = 0;
     if (!ctx) return KDA_ERROR_INVALID_ARGUMENT;
     ctx->err[0] = 0;
-    if ((s = kda__check_problem(ctx, p)) || (s = kda__check_inputs(ctx, p, in, 1)) ||
-        (s = kda__stage_needs(ctx, p, w, stage)) || (s = kda__backend_cpu_only(ctx)))
-        return s;
-    kda__cpu_init(c, p, in, w);
-    if ((s = kda__seqs_build(ctx, p, in->cu_seqlens, &c->s))) return s;
-    s = stage == 17 ? kda__cpu_bwd_qkb(ctx, c, c->out, (void *)c->dA_log, (void *)c->ddt_bias)
-                    : kda__cpu_stage(ctx, c, stage);
-    kda__seqs_free(ctx, &c->s);
+    if ((s = kda__check_problem(ctx, p)) || (s = kda__stage_needs(ctx, p, w, stage))) return s;
+    if ((s = kda__call_begin(ctx, c, p, in, w, 1))) return s;
+    if (!(s = kda__ws_acquire(ctx, kda__tables_size(p), &tables, &owned)) && !(s = kda__tables_upload(ctx, c, tables)))
+        s = kda__stage(ctx, c, stage);
+    kda__ws_release(ctx, tables, owned);
+    kda__call_end(ctx, c);
     return s;
 }
 
@@ -1982,7 +3055,7 @@ kda_status kda_stage_output(kda_context *ctx, const kda_problem *p, const kda_in
     kda__cpu c;
     if (ctx && !o) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "o: NULL pointer");
     memset(&c, 0, sizeof c);
-    c.out = o;
+    c.o = o;
     return kda__stage_run(ctx, p, in, w, 6, &c);
 }
 kda_status kda_stage_bwd_dAv(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w,
@@ -2006,7 +3079,7 @@ kda_status kda_stage_bwd_wy(kda_context *ctx, const kda_problem *p, const kda_in
     kda__cpu c;
     if (ctx && !dout) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "dout: NULL pointer");
     memset(&c, 0, sizeof c);
-    c.dout = dout; c.out = dv;
+    c.dout = dout; c.dv = dv;
     return kda__stage_run(ctx, p, in, w, 13, &c);
 }
 
@@ -2029,63 +3102,65 @@ kda_status kda_stage_bwd_gate(kda_context *ctx, const kda_problem *p, const kda_
     kda_status s;
     if (ctx && in && p && (s = kda__check_gate_grads(ctx, p, in, dA_log, ddt_bias))) return s;
     memset(&c, 0, sizeof c);
-    c.out = dg; c.dA_log = dA_log; c.ddt_bias = ddt_bias;
+    c.dg = dg; c.dA_log = dA_log; c.ddt_bias = ddt_bias;
     return kda__stage_run(ctx, p, in, w, 16, &c);
 }
 kda_status kda_stage_bwd_qkb(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w,
                              void *dq, void *dk, void *dbeta) {
     kda__cpu c;
     memset(&c, 0, sizeof c);
-    /* stage 17 passes dq, dk, dbeta through these three fields */
-    c.out = dq; c.dA_log = (float *)dk; c.ddt_bias = (float *)dbeta;
+    c.dq = dq; c.dk = dk; c.dbeta = dbeta;
     return kda__stage_run(ctx, p, in, w, 17, &c);
 }
 
+/* l2norm on its own, CPU only: on a device it runs inside kda_stage_prepare / bwd_qkb. */
+static kda_status kda__l2norm_args(kda_context *ctx, const char *fn, long long rows, int D, kda_dtype dtype) {
+    if (rows < 1 || D < 1) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "%s: rows=%lld and D=%d must be >= 1", fn, rows, D);
+    if (!kda__dtype_ok(dtype)) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "%s: dtype=%d is not a kda_dtype", fn, (int)dtype);
+    if (kda__on_device(ctx))
+        return kda__fail(ctx, KDA_ERROR_UNSUPPORTED, "%s runs on the CPU backend; on a device the l2norm is part of "
+                         "kda_stage_prepare and kda_stage_bwd_qkb", fn);
+    return KDA_OK;
+}
 kda_status kda_l2norm_fwd(kda_context *ctx, long long rows, int D, const void *x, kda_dtype dtype, float *y,
                           float *rstd) {
+    kda_status s;
     if (!ctx) return KDA_ERROR_INVALID_ARGUMENT;
     ctx->err[0] = 0;
-    if (rows < 1 || D < 1) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "l2norm: rows=%lld and D=%d must be >= 1", rows, D);
     if (!x || !y || !rstd) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "l2norm: x, y and rstd are required");
-    if (!kda__dtype_ok(dtype)) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "l2norm: dtype=%d is not a kda_dtype", (int)dtype);
-    if (kda__backend_cpu_only(ctx)) return KDA_ERROR_UNSUPPORTED;
+    if ((s = kda__l2norm_args(ctx, "l2norm", rows, D, dtype))) return s;
     return kda__rows_fwd(ctx, rows, D, x, dtype, y, rstd, 1);
 }
 kda_status kda_l2norm_bwd(kda_context *ctx, long long rows, int D, const float *y, const float *rstd,
                           const float *dy, void *dx, kda_dtype dtype) {
+    kda_status s;
     if (!ctx) return KDA_ERROR_INVALID_ARGUMENT;
     ctx->err[0] = 0;
-    if (rows < 1 || D < 1) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "l2norm_bwd: rows=%lld and D=%d must be >= 1", rows, D);
     if (!y || !rstd || !dy || !dx) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "l2norm_bwd: y, rstd, dy and dx are required");
-    if (!kda__dtype_ok(dtype)) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "l2norm_bwd: dtype=%d is not a kda_dtype", (int)dtype);
-    if (kda__backend_cpu_only(ctx)) return KDA_ERROR_UNSUPPORTED;
+    if ((s = kda__l2norm_args(ctx, "l2norm_bwd", rows, D, dtype))) return s;
     return kda__l2norm_bwd_rows(ctx, rows, D, y, rstd, dy, dx, dtype);
 }
 
 /* -------------------------------------------------------------- operations */
 
-/* The context's workspace, or a fresh allocation (owned = 1) when none is set. */
-static kda_status kda__ws_acquire(kda_context *ctx, size_t need, void **ptr, int *owned) {
-    *ptr = NULL;
-    *owned = 0;
-    if (need == 0) return KDA_OK;
-    if (ctx->workspace) {
-        if (ctx->workspace_size < need)
-            return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "workspace: %zu bytes set with kda_set_workspace, this call needs %zu",
-                             ctx->workspace_size, need);
-        *ptr = ctx->workspace;
-        return KDA_OK;
-    }
-    *ptr = kda__alloc(ctx, need);
-    if (!*ptr) return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "cannot allocate a workspace of %zu bytes", need);
-    *owned = 1;
-    return KDA_OK;
+size_t kda_fwd_saved_size(const kda_problem *p) { return kda_work_layout(p, KDA_WORK_FWD, NULL, NULL); }
+size_t kda_fwd_workspace_size(const kda_problem *p) {
+    return kda__tables_size(p) + kda_work_layout(p, KDA_WORK_FWD, NULL, NULL);
+}
+size_t kda_bwd_workspace_size(const kda_problem *p, int have_saved) {
+    return kda__tables_size(p) +
+           kda_work_layout(p, have_saved ? KDA_WORK_BWD : (KDA_WORK_FWD | KDA_WORK_BWD), NULL, NULL);
+}
+size_t kda_recurrent_workspace_size(const kda_problem *p) {
+    kda_problem pc = *p;
+    pc.chunk_size = 64;
+    return kda__tables_size(&pc);
 }
 
-static kda_status kda__run_fwd_stages(kda_context *ctx, kda__cpu *c, int last) {
+static kda_status kda__run_stages(kda_context *ctx, kda__cpu *c, int first, int last) {
     kda_status s = KDA_OK;
     int st;
-    for (st = 0; st <= last && s == KDA_OK; st++) s = kda__cpu_stage(ctx, c, st);
+    for (st = first; st <= last && s == KDA_OK; st++) s = kda__stage(ctx, c, st);
     return s;
 }
 
@@ -2094,33 +3169,38 @@ kda_status kda_chunk_fwd(kda_context *ctx, const kda_problem *p, const kda_input
     kda_work w;
     void *ws = NULL;
     int owned = 0;
+    size_t tb;
     kda_status s;
     if (!ctx) return KDA_ERROR_INVALID_ARGUMENT;
     ctx->err[0] = 0;
-    if ((s = kda__check_problem(ctx, p)) || (s = kda__check_inputs(ctx, p, in, 1))) return s;
-    if (!out || !out->o) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "outputs: o is required");
-    if ((s = kda__backend_cpu_only(ctx))) return s;
-    memset(&w, 0, sizeof w);
-    if (out->saved) kda_work_layout(p, KDA_WORK_FWD, out->saved, &w);
-    else if ((s = kda__ws_acquire(ctx, kda_work_layout(p, KDA_WORK_FWD, NULL, NULL), &ws, &owned))) return s;
-    else kda_work_layout(p, KDA_WORK_FWD, ws, &w);
     memset(&c, 0, sizeof c);
-    kda__cpu_init(&c, p, in, &w);
-    if ((s = kda__seqs_build(ctx, p, in->cu_seqlens, &c.s))) goto done;
+    memset(&w, 0, sizeof w);
+    if (!out || !out->o) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "outputs: o is required");
+    if ((s = kda__call_begin(ctx, &c, p, in, &w, 1))) return s;
+    tb = kda__tables_size(p);
+    if ((s = kda__ws_acquire(ctx, tb + (out->saved ? 0 : kda_work_layout(p, KDA_WORK_FWD, NULL, NULL)), &ws, &owned)))
+        goto done;
+    kda_work_layout(p, KDA_WORK_FWD, out->saved ? out->saved : (char *)ws + tb, &w);
+    if ((s = kda__tables_upload(ctx, &c, ws))) goto done;
     c.ht = out->ht;
-    c.out = out->o;
-    s = kda__run_fwd_stages(ctx, &c, 6);
+    c.o = out->o;
+    s = kda__run_stages(ctx, &c, 0, 6);
     if (s == KDA_OK && out->h) { /* intermediate states in the caller's layout */
-        long long i, n = c.s.NT * p->HV;
-        int d, v;
-        for (i = 0; i < n; i++)
-            for (d = 0; d < p->K; d++)
-                for (v = 0; v < p->V; v++)
-                    out->h[kda__sidx(p, i, d, v)] = w.h[((size_t)i * p->K + d) * p->V + v];
+        if (kda__on_device(ctx)) {
+            c.h_out = out->h;
+            s = kda__stage(ctx, &c, KDA__STAGE_STATES_OUT);
+        } else {
+            long long i, n = c.s.NT * p->HV;
+            int d, v;
+            for (i = 0; i < n; i++)
+                for (d = 0; d < p->K; d++)
+                    for (v = 0; v < p->V; v++)
+                        out->h[kda__sidx(p, i, d, v)] = w.h[((size_t)i * p->K + d) * p->V + v];
+        }
     }
-    kda__seqs_free(ctx, &c.s);
 done:
-    if (owned) kda__free(ctx, ws);
+    kda__ws_release(ctx, ws, owned);
+    kda__call_end(ctx, &c);
     return s;
 }
 
@@ -2128,39 +3208,56 @@ kda_status kda_chunk_bwd(kda_context *ctx, const kda_problem *p, const kda_input
     kda__cpu c;
     kda_work w;
     void *ws = NULL;
-    int owned = 0, st;
+    int owned = 0;
+    size_t tb;
     kda_status s;
     if (!ctx) return KDA_ERROR_INVALID_ARGUMENT;
     ctx->err[0] = 0;
-    if ((s = kda__check_problem(ctx, p)) || (s = kda__check_inputs(ctx, p, in, 1))) return s;
-    if (!io || !io->dout) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "bwd: dout (the gradient of o) is required");
-    if ((s = kda__check_gate_grads(ctx, p, in, io->dA_log, io->ddt_bias))) return s;
-    if ((s = kda__backend_cpu_only(ctx))) return s;
+    memset(&c, 0, sizeof c);
     memset(&w, 0, sizeof w);
-    if ((s = kda__ws_acquire(ctx, kda_bwd_workspace_size(p, io->saved != NULL), &ws, &owned))) return s;
+    if (!io || !io->dout) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "bwd: dout (the gradient of o) is required");
+    if ((s = kda__call_begin(ctx, &c, p, in, &w, 1))) return s;
+    if ((s = kda__check_gate_grads(ctx, p, in, io->dA_log, io->ddt_bias))) goto done;
+    tb = kda__tables_size(p);
+    if ((s = kda__ws_acquire(ctx, kda_bwd_workspace_size(p, io->saved != NULL), &ws, &owned))) goto done;
     if (io->saved) {
         kda_work_layout(p, KDA_WORK_FWD, (void *)io->saved, &w); /* read only below */
-        kda_work_layout(p, KDA_WORK_BWD, ws, &w);
+        kda_work_layout(p, KDA_WORK_BWD, (char *)ws + tb, &w);
     } else {
-        kda_work_layout(p, KDA_WORK_FWD | KDA_WORK_BWD, ws, &w);
+        kda_work_layout(p, KDA_WORK_FWD | KDA_WORK_BWD, (char *)ws + tb, &w);
     }
-    memset(&c, 0, sizeof c);
-    kda__cpu_init(&c, p, in, &w);
-    if ((s = kda__seqs_build(ctx, p, in->cu_seqlens, &c.s))) goto done;
-    if (!io->saved) s = kda__run_fwd_stages(ctx, &c, 5); /* recompute; no final state */
-    c.dout = io->dout;
-    c.dht = io->dht;
-    c.dh0 = io->dh0;
-    for (st = 11; st <= 16 && s == KDA_OK; st++) {
-        c.out = st == 13 ? io->dv : io->dg;
-        c.dA_log = io->dA_log;
-        c.ddt_bias = io->ddt_bias;
-        s = kda__cpu_stage(ctx, &c, st);
-    }
-    if (s == KDA_OK) s = kda__cpu_bwd_qkb(ctx, &c, io->dq, io->dk, io->dbeta);
-    kda__seqs_free(ctx, &c.s);
+    if ((s = kda__tables_upload(ctx, &c, ws))) goto done;
+    if (!io->saved && (s = kda__run_stages(ctx, &c, 0, 5))) goto done; /* recompute; no final state */
+    c.dout = io->dout; c.dht = io->dht; c.dh0 = io->dh0;
+    c.dv = io->dv; c.dg = io->dg; c.dq = io->dq; c.dk = io->dk; c.dbeta = io->dbeta;
+    c.dA_log = io->dA_log; c.ddt_bias = io->ddt_bias;
+    s = kda__run_stages(ctx, &c, 11, 17);
 done:
-    if (owned) kda__free(ctx, ws);
+    kda__ws_release(ctx, ws, owned);
+    kda__call_end(ctx, &c);
+    return s;
+}
+
+/* Validates the state pool's slots (host copy) before anything is written. */
+static kda_status kda__check_slots(kda_context *ctx, const kda_problem *p, const kda_recurrent_io *io) {
+    int N = kda_num_seqs(p), n;
+    const int32_t *sl = kda__on_device(ctx) ? io->slots_host : io->slots;
+    unsigned char *seen;
+    kda_status s = KDA_OK;
+    if (io->ht) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: ht must be NULL in the state-pool form");
+    if (!io->slots) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: state_pool given without slots");
+    if (io->num_slots < 1) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: num_slots=%d must be >= 1", io->num_slots);
+    if (!sl) return KDA_OK; /* device slots without a host copy: range-checked by the kernel */
+    seen = (unsigned char *)kda__alloc(ctx, (size_t)io->num_slots);
+    if (!seen) return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "cannot allocate %d bytes", io->num_slots);
+    memset(seen, 0, (size_t)io->num_slots);
+    for (n = 0; n < N && s == KDA_OK; n++) {
+        int v = sl[n];
+        if (v >= io->num_slots) s = kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: slots[%d]=%d >= num_slots=%d", n, v, io->num_slots);
+        else if (v >= 0 && seen[v]) s = kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: slot %d is used by two sequences (slots[%d])", v, n);
+        else if (v >= 0) seen[v] = 1;
+    }
+    kda__free(ctx, seen);
     return s;
 }
 
@@ -2168,48 +3265,32 @@ kda_status kda_recurrent_fwd(kda_context *ctx, const kda_problem *p_in, const kd
                              const kda_recurrent_io *io) {
     kda_problem pc;
     kda__cpu c;
+    void *ws = NULL;
+    int owned = 0;
     kda_status s;
-    int n;
     if (!ctx) return KDA_ERROR_INVALID_ARGUMENT;
     ctx->err[0] = 0;
+    memset(&c, 0, sizeof c);
     if (!p_in) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "problem: NULL pointer");
     pc = *p_in;
     pc.chunk_size = 64; /* not used by the recurrence */
-    if ((s = kda__check_problem(ctx, &pc))) return s;
     if (!io || !io->o) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: o is required");
-    if ((s = kda__check_inputs(ctx, &pc, in, io->state_pool == NULL))) return s;
-    if (io->state_pool) {
-        int N = kda_num_seqs(&pc);
-        unsigned char *seen;
-        if (io->ht) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: ht must be NULL in the state-pool form");
-        if (!io->slots) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: state_pool given without slots");
-        if (io->num_slots < 1) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: num_slots=%d must be >= 1", io->num_slots);
-        if ((s = kda__backend_cpu_only(ctx))) return s;
-        seen = (unsigned char *)kda__alloc(ctx, (size_t)io->num_slots);
-        if (!seen) return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "cannot allocate %d bytes", io->num_slots);
-        memset(seen, 0, (size_t)io->num_slots);
-        for (n = 0; n < N; n++) {
-            int sl = io->slots[n];
-            if (sl >= io->num_slots) s = kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: slots[%d]=%d >= num_slots=%d", n, sl, io->num_slots);
-            else if (sl >= 0 && seen[sl]) s = kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: slot %d is used by two sequences (slots[%d])", sl, n);
-            if (s) break;
-            if (sl >= 0) seen[sl] = 1;
-        }
-        kda__free(ctx, seen);
-        if (s) return s;
-    } else if (io->slots) {
-        return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: slots given without state_pool");
-    }
-    if ((s = kda__backend_cpu_only(ctx))) return s;
-    memset(&c, 0, sizeof c);
-    kda__cpu_init(&c, &pc, in, NULL);
+    if (!io->state_pool && io->slots) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: slots given without state_pool");
+    if ((s = kda__call_begin(ctx, &c, &pc, in, NULL, io->state_pool == NULL))) return s;
+    if (io->state_pool && (s = kda__check_slots(ctx, &pc, io))) goto done;
     c.rio = io;
-    c.out = io->o;
-    if ((s = kda__seqs_build(ctx, &pc, in->cu_seqlens, &c.s))) return s;
-    s = kda__parallel(ctx, (long long)c.s.N * pc.HV, kda__recurrent_task, &c,
-                      (size_t)pc.K * pc.V + 3 * (size_t)pc.K + 2 * (size_t)pc.V,
-                      4.0 * pc.K * pc.V * ((double)pc.B * pc.T / c.s.N + 1));
-    kda__seqs_free(ctx, &c.s);
+    c.o = io->o;
+    if (kda__on_device(ctx)) {
+        if ((s = kda__ws_acquire(ctx, kda__tables_size(&pc), &ws, &owned)) || (s = kda__tables_upload(ctx, &c, ws))) goto done;
+        s = kda__dev_stage(ctx, &c, KDA__STAGE_RECURRENT);
+    } else {
+        s = kda__parallel(ctx, (long long)c.s.N * pc.HV, kda__recurrent_task, &c,
+                          (size_t)pc.K * pc.V + 3 * (size_t)pc.K + 2 * (size_t)pc.V,
+                          4.0 * pc.K * pc.V * ((double)pc.B * pc.T / c.s.N + 1));
+    }
+done:
+    kda__ws_release(ctx, ws, owned);
+    kda__call_end(ctx, &c);
     return s;
 }
 

@@ -1,0 +1,56 @@
+"""The specialisation table: which kernel variants exist.
+
+One entry per stage of the chunked algorithm (kda.h's kda_stage_* functions)
+plus the decode recurrence. `axes` lists the compile-time parameters the
+stage's template is rendered over; every other option of kda_problem reaches
+the kernel at run time through KdaParams. A stage only gets the axes its code
+depends on, so no variant is rendered that no call can reach:
+
+  dtype   activation dtype of q/k/v/o and their gradients     f32 f16 bf16
+  bt      chunk size                                          16 32 64
+  bk      key-dim tile (>= K, run-time masked above K)        32 64 128 256
+  bv      value-dim tile of one block (masked above V)        32 64 128 256
+  gate    gate form applied to raw g                          none softplus lower_bound
+  l2norm  q/k l2-normalised in the kernel                     0 1
+  varlen  sequences from cu_seqlens (1) or batch rows (0)     0 1
+
+Launch geometry (`grid`) is named, and kda.h computes it from the problem:
+  rows         (ceil(B*T / ROWS), 1, 1)      ROWS tokens per block, all heads
+  chunk_head   (NTmax, HV, 1)                one block per chunk and value head
+  chunk_head_v (NTmax, HV, ceil(V / bv))     ... and value tile
+  seq_head_v   (N, HV, ceil(V / bv))         one block per sequence, value head, value tile
+  head         (HV, 1, 1)                    one block per value head
+"""
+
+DTYPES = ["f32", "f16", "bf16"]
+BTS = [16, 32, 64]
+TILES = [32, 64, 128, 256]
+GATES = ["none", "softplus", "lower_bound"]
+
+# name: (template, axes, grid, threads)
+STAGES = {
+    # forward
+    "prepare":     dict(axes={"dtype": DTYPES, "l2norm": [0, 1]}, grid="rows", threads=256),
+    "gate_cumsum": dict(axes={"bt": BTS, "gate": GATES}, grid="chunk_head", threads=256),
+    "intra":       dict(axes={"bt": BTS}, grid="chunk_head", threads=256),
+    "solve":       dict(axes={"bt": BTS}, grid="chunk_head", threads=64),
+    "wu":          dict(axes={"bt": BTS, "dtype": DTYPES}, grid="chunk_head", threads=256),
+    "state":       dict(axes={"bt": BTS, "bk": TILES, "bv": [32]}, grid="seq_head_v", threads=256),
+    "output":      dict(axes={"bt": BTS, "dtype": DTYPES, "bv": [32, 64]}, grid="chunk_head_v", threads=256),
+    # backward
+    "bwd_dav":     dict(axes={"bt": BTS, "dtype": DTYPES}, grid="chunk_head", threads=256),
+    "bwd_dhu":     dict(axes={"bt": BTS, "bk": TILES, "bv": [32], "dtype": DTYPES}, grid="seq_head_v", threads=256),
+    "bwd_wy":      dict(axes={"bt": BTS, "dtype": DTYPES}, grid="chunk_head", threads=256),
+    "bwd_intra":   dict(axes={"bt": BTS}, grid="chunk_head", threads=256),
+    "bwd_cumsum":  dict(axes={"bt": BTS}, grid="chunk_head", threads=256),
+    "bwd_gate":    dict(axes={"gate": GATES}, grid="head", threads=256),
+    "bwd_qkb":     dict(axes={"dtype": DTYPES, "l2norm": [0, 1]}, grid="rows", threads=256),
+    # the per-chunk states in the caller's layout (kda_fwd_outputs.h)
+    "states_out":  dict(axes={}, grid="chunk_head", threads=256),
+    # decode: token-by-token recurrence with the state in shared memory
+    "recurrent":   dict(axes={"dtype": DTYPES, "bk": TILES, "bv": [32], "varlen": [0, 1]},
+                        grid="seq_head_v", threads=256),
+}
+
+# tokens per block for the "rows" grid
+ROWS_PER_BLOCK = 8

@@ -1,0 +1,110 @@
+// tests/cuda_emu.h - runs the generated CUDA kernels on the CPU, so that CI (no
+// GPU) checks every kernel against its CPU twin. C++20.
+//
+// One block at a time; each CUDA thread of the block is a std::thread. A block
+// barrier is __syncthreads, a per-warp barrier with an exchange buffer makes the
+// warp shuffles, and __shared__ is `static`: correct because blocks never run
+// concurrently. A kernel that deadlocks here (a __syncthreads some threads skip)
+// is wrong on the GPU too. Timing means nothing here; only results do.
+#pragma once
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <atomic>
+#include <barrier>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define KDA_EMU 1
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+#define __restrict__
+
+struct kda_emu_dim3 { unsigned x = 1, y = 1, z = 1; };
+inline thread_local kda_emu_dim3 threadIdx, blockIdx;
+inline kda_emu_dim3 blockDim, gridDim;
+
+struct kda_emu_block {
+    std::unique_ptr<std::barrier<>> block;
+    std::vector<std::unique_ptr<std::barrier<>>> warp;
+    std::vector<uint64_t> xchg; // one slot per thread
+};
+inline kda_emu_block *kda_emu_state;
+
+inline void __syncthreads() { kda_emu_state->block->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) {
+    kda_emu_state->warp[threadIdx.x / 32]->arrive_and_wait();
+}
+template <class T> inline T kda_emu_shfl(T v, int src_of_lane(int lane, int arg), int arg) {
+    static_assert(sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");
+    const int tid = (int)threadIdx.x, warp = tid / 32, lane = tid % 32;
+    uint64_t slot = 0;
+    memcpy(&slot, &v, sizeof(T));
+    kda_emu_state->xchg[tid] = slot;
+    kda_emu_state->warp[warp]->arrive_and_wait();
+    const int src = src_of_lane(lane, arg);
+    slot = kda_emu_state->xchg[warp * 32 + (src & 31)];
+    kda_emu_state->warp[warp]->arrive_and_wait();
+    T r;
+    memcpy(&r, &slot, sizeof(T));
+    return r;
+}
+inline int kda_emu_xor(int lane, int m) { return lane ^ m; }
+inline int kda_emu_idx(int, int src) { return src; }
+inline int kda_emu_down(int lane, int d) { return lane + d < 32 ? lane + d : lane; }
+inline int kda_emu_up(int lane, int d) { return lane - d >= 0 ? lane - d : lane; }
+template <class T> inline T __shfl_xor_sync(unsigned, T v, int m, int = 32) { return kda_emu_shfl(v, kda_emu_xor, m); }
+template <class T> inline T __shfl_sync(unsigned, T v, int src, int = 32) { return kda_emu_shfl(v, kda_emu_idx, src); }
+template <class T> inline T __shfl_down_sync(unsigned, T v, int d, int = 32) { return kda_emu_shfl(v, kda_emu_down, d); }
+template <class T> inline T __shfl_up_sync(unsigned, T v, int d, int = 32) { return kda_emu_shfl(v, kda_emu_up, d); }
+
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
+inline int __float_as_int(float f) { int u; memcpy(&u, &f, 4); return u; }
+inline float __expf(float x) { return expf(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float __frcp_rn(float a) { return 1.0f / a; }
+inline float rsqrtf(float a) { return 1.0f / sqrtf(a); }
+inline double rsqrt(double a) { return 1.0 / sqrt(a); }
+inline float atomicAdd(float *p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+inline double atomicAdd(double *p, double v) { return std::atomic_ref<double>(*p).fetch_add(v); }
+inline int atomicAdd(int *p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
+inline void __threadfence() {}
+inline void __threadfence_block() {}
+inline float kda_emu_f16_to_f32(unsigned short h) { _Float16 x; memcpy(&x, &h, 2); return (float)x; }
+inline unsigned short kda_emu_f32_to_f16(float f) { _Float16 x = (_Float16)f; unsigned short h; memcpy(&h, &x, 2); return h; }
+
+// Runs kernel<<<grid, threads>>>(arg): every block in order, threads of a block concurrently.
+template <class P> inline void kda_emu_launch(void (*kernel)(const P), kda_emu_dim3 grid, unsigned threads, const P &arg) {
+    kda_emu_block st;
+    st.block = std::make_unique<std::barrier<>>((std::ptrdiff_t)threads);
+    for (unsigned w = 0; w < (threads + 31) / 32; w++) {
+        unsigned n = threads - 32 * w < 32 ? threads - 32 * w : 32;
+        st.warp.push_back(std::make_unique<std::barrier<>>((std::ptrdiff_t)n));
+    }
+    st.xchg.assign(threads + 32, 0);
+    kda_emu_state = &st;
+    blockDim.x = threads; blockDim.y = blockDim.z = 1;
+    gridDim = grid;
+    std::vector<std::thread> pool;
+    for (unsigned t = 0; t < threads; t++)
+        pool.emplace_back([&, t] {
+            threadIdx.x = t;
+            for (unsigned z = 0; z < grid.z; z++)
+                for (unsigned y = 0; y < grid.y; y++)
+                    for (unsigned x = 0; x < grid.x; x++) {
+                        blockIdx.x = x; blockIdx.y = y; blockIdx.z = z;
+                        kernel(arg);
+                        st.block->arrive_and_wait(); // the block ends for every thread together
+                    }
+        });
+    for (auto &th : pool) th.join();
+    kda_emu_state = nullptr;
+}
