@@ -13,7 +13,7 @@ KDA_CASES ?= ../shared/cases
 export KDA_CASES
 
 TOOLS = $(BUILD)/kda-case $(BUILD)/kda-bench $(BUILD)/demo
-UNITS = $(BUILD)/test_props $(BUILD)/test_stages $(BUILD)/test_errors
+UNITS = $(BUILD)/test_props $(BUILD)/test_stages $(BUILD)/test_errors $(BUILD)/test_gpu_stages
 
 .PHONY: all demo test test-sanitize bench clean
 all: $(TOOLS) $(UNITS)
@@ -37,7 +37,11 @@ build/emu/kernels_emu.inc kernels_generated/kda_kernels.h: $(TEMPLATES)
 	$(PYTHON) gen/kda_gen.py --allow-missing --emu $@ >/dev/null
 $(BUILD)/test_gpu_stages: tests/test_gpu_stages.cpp tests/cuda_emu.h tests/testlib.h kda.h build/emu/kernels_emu.inc
 	@mkdir -p $(dir $@)
-	$(CXX) -std=c++20 -O1 -Wall -Wextra -Wno-unused-function -Wno-missing-field-initializers -Wno-unknown-pragmas $(CFLAGS) -pthread -o $@ $< $(LDLIBS)
+	$(CXX) -std=c++20 -O1 -DKDA_TEST_EMU -Wall -Wextra -Wno-unused-function -Wno-missing-field-initializers -Wno-unknown-pragmas $(CFLAGS) -pthread -o $@ $< $(LDLIBS)
+# the same test on the machine's GPU
+$(BUILD)/test_gpu: tests/test_gpu_stages.cpp tests/testlib.h kda.h kernels_generated/kda_kernels.h
+	@mkdir -p $(dir $@)
+	$(CXX) -std=c++20 -O2 -Wall -Wextra -Wno-unused-function -Wno-missing-field-initializers $(CFLAGS) -pthread -o $@ $< $(LDLIBS)
 
 demo: $(BUILD)/demo
 	./$(BUILD)/demo
@@ -48,7 +52,7 @@ test: $(TOOLS) $(UNITS)
 # The same programs under AddressSanitizer and UndefinedBehaviorSanitizer.
 test-sanitize:
 	$(MAKE) BUILD=build/san OPT="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all" \
-	    $(addprefix build/san/,kda-case test_props test_stages test_errors)
+	    $(addprefix build/san/,kda-case test_props test_stages test_errors test_gpu_stages)
 	KDA_QUICK=1 tests/run_tests.sh build/san
 
 bench: $(BUILD)/kda-bench

@@ -373,6 +373,10 @@ kda_status kda_l2norm_bwd(kda_context *ctx, long long rows, int D, const float *
 /* Compiles (or loads) every kernel a forward, backward and decode of p need, in
  * parallel threads, so that later calls do not wait for NVRTC. CPU: no-op. */
 kda_status kda_warmup(kda_context *ctx, const kda_problem *p);
+/* Indices (for kda_kernel_name / kda_compile_kernel) of the kernels a forward,
+ * backward and decode of p use; returns how many (idx may be NULL), or -1 with
+ * the reason in kda_last_error when a stage has no kernel for p. */
+int kda_kernels_needed(kda_context *ctx, const kda_problem *p, int *idx, int max);
 /* The kernel table, for tools: count, names, and one kernel compiled through
  * NVRTC for an architecture ("sm_80", "sm_90a"), without a GPU. *cubin (free()
  * it) is a verified-cubin file as KDA_CUBIN_DIR expects it, named file_name. */
@@ -1966,6 +1970,7 @@ static kda_status kda__cpu_stage(kda_context *ctx, kda__cpu *c, int stage) {
 }
 
 
+
 /* ------------------------------------------------------ public stage API */
 
 /* The kda_work fields each stage reads or writes. */
@@ -2585,8 +2590,24 @@ static const char *const kda__origin[] = {"embedded", "aot", "cache hit", "cache
 
 /* A wrapped cubin for kernel k: from the embedded set, KDA_CUBIN_DIR, the cache,
  * or NVRTC (then stored in the cache). *origin says which. */
-static kda_status kda__cubin_get(kda_context *ctx, kda__cuda *c, const kda__kdesc *k, unsigned char **out, size_t *n,
-                                 const unsigned char **payload, int *origin) {
+/* The disk cache: resolved once per context (warning once when unusable). */
+static void kda__cache_prepare(kda_context *ctx, kda__cuda *c) {
+    if (c->cache_state != 0) return;
+    c->cache_state = kda__cache_dir(c->cache_dir, sizeof c->cache_dir) == 0 ? 1 : -1;
+    if (c->cache_state < 0)
+        kda__warn(ctx, "kernel cache folder %s is missing or read-only: compiling in memory only",
+                  c->cache_dir[0] ? c->cache_dir : "(no KDA_CACHE_DIR, XDG_CACHE_HOME or HOME)");
+}
+static void kda__cache_write_failed(kda_context *ctx, kda__cuda *c) {
+    if (c->cache_state != 1) return;
+    c->cache_state = -1;
+    kda__warn(ctx, "cannot write to the kernel cache %s (%s): compiling in memory only", c->cache_dir, strerror(errno));
+}
+
+/* Reads c but never changes it, so threads can share it (kda_warmup);
+ * *write_failed tells the caller that the cache could not take the new file. */
+static kda_status kda__cubin_get(kda_context *ctx, const kda__cuda *c, const kda__kdesc *k, unsigned char **out,
+                                 size_t *n, const unsigned char **payload, int *origin, int *write_failed) {
     unsigned char aot_key[32], key[32];
     char hex[65], path[1400];
     const char *dir = getenv("KDA_CUBIN_DIR");
@@ -2617,12 +2638,7 @@ static kda_status kda__cubin_get(kda_context *ctx, kda__cuda *c, const kda__kdes
                          c->arch, c->nv_tried);
     kda__kernel_key(k, c->arch, c->nv.major, c->nv.minor, key);
     kda__hex(key, 8, hex);
-    if (c->cache_state == 0) c->cache_state = kda__cache_dir(c->cache_dir, sizeof c->cache_dir) == 0 ? 1 : -2;
-    if (c->cache_state == -2) {
-        c->cache_state = -1; /* warn once per context */
-        kda__warn(ctx, "kernel cache folder %s is missing or read-only: compiling in memory only",
-                  c->cache_dir[0] ? c->cache_dir : "(no KDA_CACHE_DIR, XDG_CACHE_HOME or HOME)");
-    }
+    *write_failed = 0;
     if (c->cache_state == 1) {
         snprintf(path, sizeof path, "%s/%s_%s_%s.cubin", c->cache_dir, k->name, c->arch, hex);
         if ((*out = kda__read_file(path, n)) && (*payload = kda__cubin_verify(*out, *n, key))) { *origin = 2; return KDA_OK; }
@@ -2631,10 +2647,7 @@ static kda_status kda__cubin_get(kda_context *ctx, kda__cuda *c, const kda__kdes
     if ((s = kda__nvrtc_compile(ctx, &c->nv, k, c->arch, out, n))) return s;
     *payload = *out + KDA__CUBIN_HDR;
     *origin = 3;
-    if (c->cache_state == 1 && kda__write_file_atomic(path, *out, *n) != 0 && c->cache_state == 1) {
-        c->cache_state = -1;
-        kda__warn(ctx, "cannot write to the kernel cache %s (%s): compiling in memory only", c->cache_dir, strerror(errno));
-    }
+    if (c->cache_state == 1 && kda__write_file_atomic(path, *out, *n) != 0) *write_failed = 1;
     return KDA_OK;
 }
 
@@ -2644,24 +2657,21 @@ static double kda__now_ms(void) {
     return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
 }
 
-/* The loaded function of kernel k (loading its module once per context). */
-static kda_status kda__cu_function(kda_context *ctx, kda__cuda *c, const kda__kdesc *k, kda__CUfunction *fn) {
-    unsigned char *buf = NULL;
-    const unsigned char *payload = NULL;
-    size_t n = 0;
-    int i, origin = 0;
-    double t0;
+static kda__CUfunction kda__cu_loaded(const kda__cuda *c, const kda__kdesc *k) {
+    int i;
+    for (i = 0; i < c->nmods; i++)
+        if (!strcmp(c->mods[i].name, k->name)) return c->mods[i].fn;
+    return NULL;
+}
+
+/* Loads the module of kernel k from its verified cubin (primary context current). */
+static kda_status kda__cu_load(kda_context *ctx, kda__cuda *c, const kda__kdesc *k, const unsigned char *payload,
+                               int origin, double t0, kda__CUfunction *fn) {
     kda__kmod m;
     kda__CUresult r;
-    kda_status s;
-    for (i = 0; i < c->nmods; i++)
-        if (!strcmp(c->mods[i].name, k->name)) { *fn = c->mods[i].fn; return KDA_OK; }
-    t0 = kda__now_ms();
-    if ((s = kda__cubin_get(ctx, c, k, &buf, &n, &payload, &origin))) return s;
     memset(&m, 0, sizeof m);
     snprintf(m.name, sizeof m.name, "%s", k->name);
     r = c->cu.module_load(&m.mod, payload);
-    free(buf);
     if (r) return kda__cu_fail(ctx, c, r, "cuModuleLoadData", k->name);
     if ((r = c->cu.module_function(&m.fn, m.mod, k->name))) {
         c->cu.module_unload(m.mod);
@@ -2680,6 +2690,23 @@ static kda_status kda__cu_function(kda_context *ctx, kda__cuda *c, const kda__kd
     *fn = m.fn;
     kda__log(ctx, "load %s %s %s %.1f ms", k->name, c->arch, kda__origin[origin], kda__now_ms() - t0);
     return KDA_OK;
+}
+
+/* The loaded function of kernel k (loading its module once per context). */
+static kda_status kda__cu_function(kda_context *ctx, kda__cuda *c, const kda__kdesc *k, kda__CUfunction *fn) {
+    unsigned char *buf = NULL;
+    const unsigned char *payload = NULL;
+    size_t n = 0;
+    int origin = 0, wfail = 0;
+    double t0 = kda__now_ms();
+    kda_status s;
+    if ((*fn = kda__cu_loaded(c, k))) return KDA_OK;
+    kda__cache_prepare(ctx, c);
+    s = kda__cubin_get(ctx, c, k, &buf, &n, &payload, &origin, &wfail);
+    if (wfail) kda__cache_write_failed(ctx, c);
+    if (s == KDA_OK) s = kda__cu_load(ctx, c, k, payload, origin, t0, fn);
+    free(buf);
+    return s;
 }
 
 static kda_status kda__cu_launch(kda_context *ctx, const kda__kdesc *k, const unsigned grid[3], const kda__kparams *a) {
@@ -2715,6 +2742,8 @@ static void kda__cu_destroy(kda_context *ctx) {
 
 static const kda__devops kda__cuda_ops = {"cuda", kda__cu_alloc, kda__cu_release, kda__cu_copy,
                                           kda__cu_fill, kda__cu_launch, kda__cu_sync, kda__cu_destroy};
+typedef kda_status (*kda__launch_fn)(kda_context *, const kda__kdesc *, const unsigned[3], const kda__kparams *);
+static kda__launch_fn kda__cu_launch_ptr(void) { return kda__cu_launch; }
 
 /* Loads libcuda (KDA_CUDA_PATH overrides the name), takes the device's primary
  * context and loads NVRTC (its absence is reported when a kernel needs it). */
@@ -3009,6 +3038,108 @@ static kda_status kda__dev_stage(kda_context *ctx, kda__cpu *c, int stage) {
 /* One stage of the chunked algorithm on the context's backend. */
 static kda_status kda__stage(kda_context *ctx, kda__cpu *c, int stage) {
     return kda__on_device(ctx) ? kda__dev_stage(ctx, c, stage) : kda__cpu_stage(ctx, c, stage);
+}
+
+/* Indices of the kernels a forward, backward and decode of p use. */
+int kda_kernels_needed(kda_context *ctx, const kda_problem *p, int *idx, int max) {
+    static const int stages[] = {0, 1, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15, 16, 17, 20, 21};
+    size_t i;
+    int n = 0;
+    if (!ctx) return -1;
+    ctx->err[0] = 0;
+    if (kda__check_problem(ctx, p) != KDA_OK) return -1;
+    for (i = 0; i < sizeof stages / sizeof stages[0]; i++) {
+        const kda__kdesc *k = kda__kernel_find(ctx, stages[i], p);
+        if (!k) return -1;
+        if (n < max && idx) idx[n] = (int)(k - kda__kernels);
+        n++;
+    }
+    return n;
+}
+
+#ifndef KDA_NO_CUDA
+typedef struct {
+    kda_context tmp; /* a private copy: its error buffer is this job's own */
+    const kda__cuda *c;
+    const kda__kdesc *k;
+    unsigned char *buf;
+    const unsigned char *payload;
+    size_t n;
+    int origin, wfail;
+    kda_status s;
+    double t0;
+} kda__wjob;
+#ifndef KDA_NO_THREADS
+static void *kda__warm_worker(void *arg) {
+    kda__wjob *j = (kda__wjob *)arg;
+    j->s = kda__cubin_get(&j->tmp, j->c, j->k, &j->buf, &j->n, &j->payload, &j->origin, &j->wfail);
+    return NULL;
+}
+#endif
+#endif
+
+kda_status kda_warmup(kda_context *ctx, const kda_problem *p) {
+    int idx[32], n, i;
+    if (!ctx) return KDA_ERROR_INVALID_ARGUMENT;
+    ctx->err[0] = 0;
+    if ((n = kda_kernels_needed(ctx, p, idx, 32)) < 0) return kda__check_problem(ctx, p) ? KDA_ERROR_INVALID_ARGUMENT : KDA_ERROR_UNSUPPORTED;
+#ifndef KDA_NO_CUDA
+    if (!kda__on_device(ctx) || ctx->dev->launch != kda__cu_launch_ptr()) return KDA_OK; /* nothing to compile */
+    {
+        kda__cuda *c = kda__cu_state(ctx);
+        kda__wjob jobs[32];
+        int nj = 0, b;
+        kda_status s = KDA_OK;
+        kda__cache_prepare(ctx, c);
+        for (i = 0; i < n && i < 32; i++) {
+            const kda__kdesc *k = &kda__kernels[idx[i]];
+            int dup = 0, j;
+            for (j = 0; j < nj; j++) dup |= jobs[j].k == k;
+            if (dup || kda__cu_loaded(c, k)) continue;
+            memset(&jobs[nj], 0, sizeof jobs[nj]);
+            jobs[nj].tmp = *ctx;
+            jobs[nj].c = c;
+            jobs[nj].k = k;
+            jobs[nj].t0 = kda__now_ms();
+            nj++;
+        }
+        /* fetch the cubins in parallel (NVRTC, cache or AOT), num_threads at a time */
+        for (b = 0; b < nj; b += ctx->num_threads) {
+            int e = b + ctx->num_threads < nj ? b + ctx->num_threads : nj;
+#ifndef KDA_NO_THREADS
+            pthread_t tid[32];
+            int started[32];
+            for (i = b; i < e; i++) started[i - b] = pthread_create(&tid[i - b], NULL, kda__warm_worker, &jobs[i]) == 0;
+            for (i = b; i < e; i++) {
+                if (started[i - b]) pthread_join(tid[i - b], NULL);
+                else kda__warm_worker(&jobs[i]);
+            }
+#else
+            for (i = b; i < e; i++)
+                jobs[i].s = kda__cubin_get(&jobs[i].tmp, c, jobs[i].k, &jobs[i].buf, &jobs[i].n, &jobs[i].payload,
+                                           &jobs[i].origin, &jobs[i].wfail);
+#endif
+        }
+        /* then load the modules here, in order */
+        if ((s = kda__cu_enter(ctx, c)) == KDA_OK) {
+            for (i = 0; i < nj; i++) {
+                kda__CUfunction fn;
+                if (jobs[i].wfail) kda__cache_write_failed(ctx, c);
+                if (s == KDA_OK && jobs[i].s != KDA_OK) {
+                    memcpy(ctx->err, jobs[i].tmp.err, sizeof ctx->err);
+                    s = jobs[i].s;
+                }
+                if (s == KDA_OK) s = kda__cu_load(ctx, c, jobs[i].k, jobs[i].payload, jobs[i].origin, jobs[i].t0, &fn);
+            }
+            kda__cu_leave(c);
+        }
+        for (i = 0; i < nj; i++) free(jobs[i].buf);
+        return s;
+    }
+#else
+    (void)i;
+    return KDA_OK;
+#endif
 }
 
 /* ------------------------------------------------------ public stage API */

@@ -30,50 +30,58 @@
 /* comes back through from_device.                                           */
 /* ------------------------------------------------------------------------- */
 
-static const char *dev_error = "";
+static char dev_error[2300] = "";
+static int g_fail = 0;
 
-/* Allocates `bytes` of backend memory holding a copy of host (or, when host is
- * NULL, filled with 0xff bytes: NaN in every float type, so an output the
- * library never writes cannot pass). NULL with dev_error set on failure. */
+/* Records the failed call and the library's reason in dev_error. */
+static void dev_fail(kda_context *ctx, const char *call, kda_status st)
+{
+    snprintf(dev_error, sizeof dev_error, "%s: %s: %s", call, kda_status_string(st), kda_last_error(ctx));
+}
+
+/* Allocates `bytes` of backend memory (kda_malloc) holding a copy of host (or,
+ * when host is NULL, filled with 0xff bytes: NaN in every float type, so an
+ * output the library never writes cannot pass). NULL with dev_error set on failure. */
 static void *to_device(kda_context *ctx, const void *host, size_t bytes)
 {
-    if (kda_context_backend(ctx) != KDA_BACKEND_CPU) {
-        /* CUDA: not wired to the driver API in this build. */
-        dev_error = "GPU backend not available in this build";
+    void *d = NULL;
+    kda_status st = kda_malloc(ctx, bytes ? bytes : 1, &d);
+    if (st != KDA_OK) {
+        dev_fail(ctx, "kda_malloc", st);
         return NULL;
     }
-    void *d = malloc(bytes ? bytes : 1);
-    if (!d) {
-        dev_error = "out of host memory";
+    st = host ? kda_memcpy(ctx, d, host, bytes, KDA_COPY_H2D) : kda_memset(ctx, d, 0xff, bytes);
+    if (st != KDA_OK) {
+        dev_fail(ctx, host ? "kda_memcpy(H2D)" : "kda_memset", st);
+        kda_free(ctx, d);
         return NULL;
     }
-    if (host)
-        memcpy(d, host, bytes);
-    else
-        memset(d, 0xff, bytes);
     return d;
 }
 
-/* Copies `bytes` from backend memory dev to host. 0, or -1 with dev_error set. */
+/* Copies `bytes` from backend memory dev to host (returns when the data is
+ * there). 0, or -1 with dev_error set. */
 static int from_device(kda_context *ctx, void *host, const void *dev, size_t bytes)
 {
-    if (kda_context_backend(ctx) != KDA_BACKEND_CPU) {
-        dev_error = "GPU backend not available in this build";
+    kda_status st = kda_memcpy(ctx, host, dev, bytes, KDA_COPY_D2H);
+    if (st != KDA_OK) {
+        dev_fail(ctx, "kda_memcpy(D2H)", st);
         return -1;
     }
-    memcpy(host, dev, bytes);
     return 0;
 }
 
 static void dev_free(kda_context *ctx, void *dev)
 {
-    (void)ctx;
-    free(dev);
+    kda_status st = kda_free(ctx, dev);
+    if (st != KDA_OK) {
+        printf("kda_free: %s: %s\n", kda_status_string(st), kda_last_error(ctx));
+        g_fail = 1;
+    }
 }
 
 /* ------------------------------------------------------------------------- */
 
-static int g_fail = 0;
 static kda_context *g_ctx = NULL;
 
 static void fail_msg(const char *what, const char *msg)
@@ -353,6 +361,7 @@ int main(int argc, char **argv)
     in.dt_bias = (const float *)KEEP(upload(c.dt_bias, ndt, KDA_F32, &err));
     if (c.cu_seqlens && !err) {
         in.cu_seqlens = KEEP(to_device(g_ctx, c.cu_seqlens, (N + 1) * sizeof(long long)));
+        in.cu_seqlens_host = c.cu_seqlens; /* so a device backend need not read it back */
         if (!in.cu_seqlens) fail_msg("to_device", dev_error), err = 1;
     }
     if (err) goto done;
@@ -456,6 +465,7 @@ int main(int argc, char **argv)
         io.state_pool = (float *)KEEP(to_device(g_ctx, pool, nslots * sslot * sizeof(float)));
         io.slots = (const int32_t *)KEEP(to_device(g_ctx, slots, N * sizeof(int32_t)));
         io.num_slots = (int)nslots;
+        io.slots_host = slots;
         if (!err && (!io.state_pool || !io.slots)) fail_msg("to_device", dev_error), err = 1;
         if (!err && api("kda_recurrent_fwd(pool)", kda_recurrent_fwd(g_ctx, &p, &pin, &io)) == 0) {
             compare("o(pool)", c.o, io.o, nv, dtype, tol);
@@ -476,6 +486,8 @@ int main(int argc, char **argv)
 
 done:
     if (err) g_fail = 1;
+    /* everything above ran on the context's stream: a kernel fault shows up here at the latest */
+    api("kda_synchronize", kda_synchronize(g_ctx));
     for (int i = 0; i < nbufs; i++)
         if (bufs[i]) dev_free(g_ctx, bufs[i]);
     kda_context_destroy(g_ctx);

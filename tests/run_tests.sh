@@ -23,9 +23,12 @@ if [ -z "${KDA_QUICK:-}" ]; then
     rm -rf "$tmp"
 fi
 
-# 2. Unit and property programs: each prints "N passed, N failed" last.
-for t in test_props test_stages test_errors; do
-    out=$("$build/$t" 2>&1); rc=$?
+# 2. Unit and property programs: each prints "N passed, N failed" last. test_gpu_stages
+#    runs every CUDA kernel on the CPU emulator against its CPU twin.
+for t in test_props test_stages test_errors test_gpu_stages; do
+    args=""
+    [ -n "${KDA_QUICK:-}" ] && [ "$t" = test_gpu_stages ] && args=--quick
+    out=$("$build/$t" $args 2>&1); rc=$?
     echo "$out" | grep -E '^FAIL' || true
     line=$(echo "$out" | tail -n 1)
     echo "$t: $line"
