@@ -1,6 +1,8 @@
 # kda - build, test and benchmark. Everything builds from the one header.
 #   make demo        the demo on the embedded default problem (GPU if present, else CPU)
-#   make test        every CPU test (what CI runs); make test-sanitize: the same under ASan+UBSan
+#   make test        every test that needs no GPU (what CI runs); make test-sanitize: under ASan+UBSan
+#   make test-gpu    the GPU tests (says so and exits 0 where there is no GPU)
+#   make nvrtc-check every kernel compiled for sm_80 and sm_90a; make gen: regenerate kernels_generated/
 #   make bench       CPU throughput (JSON lines)
 CC      ?= cc
 CXX     ?= c++
@@ -13,10 +15,10 @@ KDA_CASES ?= ../shared/cases
 export KDA_CASES
 
 TOOLS = $(BUILD)/kda-case $(BUILD)/kda-bench $(BUILD)/demo
-UNITS = $(BUILD)/test_props $(BUILD)/test_stages $(BUILD)/test_errors $(BUILD)/test_gpu_stages
+UNITS = $(BUILD)/test_props $(BUILD)/test_stages $(BUILD)/test_errors
 
-.PHONY: all demo test test-sanitize bench clean
-all: $(TOOLS) $(UNITS)
+.PHONY: all demo test test-sanitize bench clean gen gen-check nvrtc-check cubins
+all: $(TOOLS) $(UNITS) $(BUILD)/test_gpu_stages
 
 $(BUILD)/kda-case: tests/kda_case.c tests/npy.h kda.h
 $(BUILD)/kda-bench: bench/kda_bench.c kda.h
@@ -43,10 +45,30 @@ $(BUILD)/test_gpu: tests/test_gpu_stages.cpp tests/testlib.h kda.h kernels_gener
 	@mkdir -p $(dir $@)
 	$(CXX) -std=c++20 -O2 -Wall -Wextra -Wno-unused-function -Wno-missing-field-initializers $(CFLAGS) -pthread -o $@ $< $(LDLIBS)
 
+# Regenerate kernels_generated/ from templates/ (Jinja2: pip install -r gen/requirements.txt).
+gen:
+	$(PYTHON) gen/kda_gen.py
+gen-check:
+	$(PYTHON) gen/kda_gen.py --check
+
+# Compile every kernel of the table through kda.h's NVRTC path (no GPU needed).
+$(BUILD)/kda-aot: gen/kda_aot.c kda.h kernels_generated/kda_kernels.h
+	@mkdir -p $(dir $@)
+	$(CC) $(WARN) -O2 $(CFLAGS) -o $@ $< $(LDLIBS)
+NVRTC_ARCH ?= sm_80 sm_90a
+nvrtc-check: $(BUILD)/kda-aot
+	./$(BUILD)/kda-aot --arch "$(NVRTC_ARCH)"
+# Ahead-of-time cubins for KDA_CUBIN_DIR (and kda_cubins.h for KDA_EMBED_CUBINS):
+#   make cubins ARCH="80 90a" [KERNELS="kda_state_bt64_bk128_bv32 ..."]
+ARCH ?= 90a
+cubins: $(BUILD)/kda-aot
+	./$(BUILD)/kda-aot --arch "$(ARCH)" --out $(BUILD)/cubins --embed $(BUILD)/cubins/kda_cubins.h \
+	    $(foreach k,$(KERNELS),--only $(k))
+
 demo: $(BUILD)/demo
 	./$(BUILD)/demo
 
-test: $(TOOLS) $(UNITS)
+test: $(TOOLS) $(UNITS) $(BUILD)/test_gpu_stages $(BUILD)/test_jit $(BUILD)/kda-aot
 	CC="$(CC)" CXX="$(CXX)" tests/run_tests.sh $(BUILD)
 
 # The same programs under AddressSanitizer and UndefinedBehaviorSanitizer.
@@ -60,3 +82,8 @@ bench: $(BUILD)/kda-bench
 
 clean:
 	rm -rf build
+
+# The kernel loading path (cache, AOT, NVRTC) without a GPU; tests/test_jit.sh drives it.
+$(BUILD)/test_jit: tests/test_jit.c kda.h kernels_generated/kda_kernels.h
+	@mkdir -p $(dir $@)
+	$(CC) $(WARN) -O2 $(CFLAGS) -o $@ $< $(LDLIBS)

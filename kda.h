@@ -31,6 +31,7 @@
  *     KDA_NO_THREADS                          build the CPU path single-threaded
  *     KDA_NO_CUDA                             leave the CUDA backend out (CPU only)
  *     KDA_EMBED_CUBINS                        use the cubins of `make cubins` (kda_cubins.h)
+ *     KDA_KERNELS_HEADER "path"               another kernel table than kernels_generated/
  *
  * Environment: KDA_NUM_THREADS (CPU threads; default: all cores), KDA_LOG=1
  * (log lines to stderr unless the context has a log callback).
@@ -2030,7 +2031,10 @@ typedef struct kda__kdesc {
 #define KDA__GRID_SEQ_HEAD_V 3
 #define KDA__GRID_HEAD 4
 
-#if !defined(KDA_NO_CUDA) && defined(__has_include)
+#if !defined(KDA_NO_CUDA) && defined(KDA_KERNELS_HEADER) /* e.g. a render with --custom variants */
+#include KDA_KERNELS_HEADER
+#define KDA__HAVE_KERNELS 1
+#elif !defined(KDA_NO_CUDA) && defined(__has_include)
 #if __has_include("kernels_generated/kda_kernels.h")
 #include "kernels_generated/kda_kernels.h"
 #define KDA__HAVE_KERNELS 1
@@ -2630,7 +2634,8 @@ static kda_status kda__cubin_get(kda_context *ctx, const kda__cuda *c, const kda
     if (dir && *dir) {
         snprintf(path, sizeof path, "%s/%s_%s_%s.cubin", dir, k->name, c->arch, hex);
         if ((*out = kda__read_file(path, n)) && (*payload = kda__cubin_verify(*out, *n, aot_key))) { *origin = 1; return KDA_OK; }
-        free(*out);
+        free(*out); /* missing or failed verification */
+        *out = NULL;
     }
     if (!c->nv_ok)
         return kda__fail(ctx, KDA_ERROR_UNSUPPORTED, "kernel %s for %s: no cubin embedded or in KDA_CUBIN_DIR, and NVRTC "
@@ -2643,6 +2648,7 @@ static kda_status kda__cubin_get(kda_context *ctx, const kda__cuda *c, const kda
         snprintf(path, sizeof path, "%s/%s_%s_%s.cubin", c->cache_dir, k->name, c->arch, hex);
         if ((*out = kda__read_file(path, n)) && (*payload = kda__cubin_verify(*out, *n, key))) { *origin = 2; return KDA_OK; }
         free(*out); /* missing, short, corrupt or for another key: a miss, replaced below */
+        *out = NULL;
     }
     if ((s = kda__nvrtc_compile(ctx, &c->nv, k, c->arch, out, n))) return s;
     *payload = *out + KDA__CUBIN_HDR;

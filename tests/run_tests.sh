@@ -39,7 +39,18 @@ for t in test_props test_stages test_errors test_gpu_stages; do
     [ "$rc" -eq 0 ] || [ "$f" -gt 0 ] || bad "$t exit $rc"
 done
 
-# 3. Every reference case, every dtype and chunk size (kda-case prints PASS/FAIL last).
+# 3. The kernel loading path (cache, AOT, embedded cubins, generator) without a GPU.
+if [ -z "${KDA_QUICK:-}" ]; then
+    out=$(tests/test_jit.sh "$build" 2>&1)
+    echo "$out" | grep -E '^FAIL' || true
+    line=$(echo "$out" | tail -n 1)
+    echo "test_jit: $line"
+    p=$(echo "$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\1/p')
+    f=$(echo "$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\2/p')
+    if [ -z "$p" ]; then bad "test_jit.sh did not finish"; echo "$out" | tail -n 20; else pass=$((pass + p)); fail=$((fail + f)); fi
+fi
+
+# 4. Every reference case, every dtype and chunk size (kda-case prints PASS/FAIL last).
 if [ ! -d "$cases" ]; then
     bad "reference cases not found at $cases (set KDA_CASES)"
 else

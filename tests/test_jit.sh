@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The kernel cache, ahead-of-time cubins and the generator, without a GPU (needs
+# NVRTC and Jinja2). Ends with "N passed, N failed".   tests/test_jit.sh BUILD_DIR
+set -u
+build=${1:-build}
+jit="$build/test_jit"
+pass=0; fail=0
+check() { if eval "$2"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: $1"; fi; }
+tmp=$(mktemp -d)
+trap 'chmod -R u+w "$tmp" 2>/dev/null; rm -rf "$tmp"' EXIT
+K=kda_solve_bt64
+K2=kda_gate_cumsum_bt32_gatesoftplus
+file_of() { ls "$1"/${2}_sm_90a_*.cubin 2>/dev/null | grep -v '\.tmp\.' | head -n 1; }
+
+# a miss, then a hit, across two processes
+export KDA_CACHE_DIR="$tmp/cache"
+check "first load is a miss" '[ "$($jit get $K | head -n 1)" = "cache miss" ]'
+check "the cache folder is private (0700)" '[ "$(stat -c %a "$tmp/cache")" = 700 ]'
+check "second process hits" '[ "$($jit get $K | head -n 1)" = "cache hit" ]'
+f=$(file_of "$tmp/cache" $K)
+check "cache file named <kernel>_<arch>_<digest>.cubin" '[ -n "$f" ]'
+
+# a corrupted, a truncated and a wrong-key file are each detected and rebuilt
+printf '\x55' | dd of="$f" bs=1 seek=4000 conv=notrunc status=none
+check "corrupted file is a miss" '[ "$($jit get $K | head -n 1)" = "cache miss" ]'
+check "and was rebuilt" '[ "$($jit get $K | head -n 1)" = "cache hit" ]'
+truncate -s 3000 "$f"
+check "truncated file is a miss" '[ "$($jit get $K | head -n 1)" = "cache miss" ]'
+check "and was rebuilt" '[ "$($jit get $K | head -n 1)" = "cache hit" ]'
+$jit get $K2 >/dev/null
+cp "$(file_of "$tmp/cache" $K2)" "$f"
+check "a valid file for another key is a miss" '[ "$($jit get $K | head -n 1)" = "cache miss" ]'
+check "and was rebuilt" '[ "$($jit get $K | head -n 1)" = "cache hit" ]'
+
+# 8 processes warming one empty cache at once: all succeed, only valid files remain
+export KDA_CACHE_DIR="$tmp/race"
+pids=""
+for i in 1 2 3 4 5 6 7 8; do $jit get $K2 > "$tmp/race.$i" 2>&1 & pids="$pids $!"; done
+ok=1; for p in $pids; do wait $p || ok=0; done
+check "8 concurrent processes all succeed" '[ $ok = 1 ]'
+check "exactly one cache file, no temp files left" '[ "$(ls "$tmp/race" | wc -l)" = 1 ]'
+check "the file left is valid" '[ "$($jit get $K2 | head -n 1)" = "cache hit" ]'
+
+# a cache folder that cannot be created, and one that cannot be written: still works, warns once
+touch "$tmp/afile"
+export KDA_CACHE_DIR="$tmp/afile/cache"
+out=$($jit get $K 2>&1)
+check "uncreatable cache folder still compiles" 'echo "$out" | grep -qx "cache miss"'
+check "and warns once" '[ "$(echo "$out" | grep -c "compiling in memory only")" = 1 ]'
+if [ "$(id -u)" = 0 ]; then ro=/proc/self; else mkdir "$tmp/ro"; chmod 555 "$tmp/ro"; ro="$tmp/ro"; fi
+export KDA_CACHE_DIR="$ro"
+out=$($jit get $K 2>&1)
+check "read-only cache folder still compiles" 'echo "$out" | grep -qx "cache miss"'
+check "and warns once" '[ "$(echo "$out" | grep -c "compiling in memory only")" = 1 ]'
+
+# a missing NVRTC gives its status, and the CPU path still works
+export KDA_CACHE_DIR="$tmp/nonvrtc"
+out=$(KDA_NVRTC_PATH="$tmp/no/libnvrtc.so" $jit get $K 2>&1)
+check "missing NVRTC: unsupported, naming KDA_NVRTC_PATH" 'echo "$out" | grep -q "^error unsupported: .*NVRTC is not available.*KDA_NVRTC_PATH"'
+check "missing NVRTC: the CPU path still runs" 'echo "$out" | grep -qx "cpu ok"'
+
+# ahead-of-time cubins: found in KDA_CUBIN_DIR without NVRTC; a corrupt one is refused
+"$build/kda-aot" --arch sm_90a --only $K --out "$tmp/aot" > /dev/null
+check "kda-aot wrote a manifest" 'grep -q "^${K}_sm_90a_" "$tmp/aot/manifest.txt"'
+export KDA_CUBIN_DIR="$tmp/aot"
+check "AOT cubin loads without NVRTC" '[ "$(KDA_NVRTC_PATH=$tmp/no $jit get $K | head -n 1)" = aot ]'
+a=$(file_of "$tmp/aot" $K)
+printf '\x55' | dd of="$a" bs=1 seek=2000 conv=notrunc status=none
+check "a corrupt AOT cubin is refused" 'KDA_NVRTC_PATH=$tmp/no $jit get $K | head -n 1 | grep -q "^error"'
+unset KDA_CUBIN_DIR
+
+# embedded cubins (KDA_EMBED_CUBINS): no file, no NVRTC
+"$build/kda-aot" --arch sm_90a --only $K --out "$tmp/emb" --embed "$tmp/emb/kda_cubins.h" > /dev/null
+${CC:-cc} -std=c11 -O1 -DKDA_EMBED_CUBINS -I"$tmp/emb" -o "$tmp/jit_emb" tests/test_jit.c -lm -lpthread -ldl
+check "embedded cubin loads with no NVRTC and no files" '[ "$(KDA_NVRTC_PATH=$tmp/no $tmp/jit_emb get $K | head -n 1)" = embedded ]'
+
+# the generator: the committed output is a fresh render; a custom variant renders and compiles
+check "kernels_generated/ equals a fresh render of templates/" 'python3 gen/kda_gen.py --check > /dev/null'
+python3 gen/kda_gen.py --custom "state bt=64 bk=96 bv=32" --out "$tmp/custom.h" > /dev/null
+${CC:-cc} -std=c11 -O1 -DKDA_KERNELS_HEADER="\"$tmp/custom.h\"" -o "$tmp/jit_custom" tests/test_jit.c -lm -lpthread -ldl
+export KDA_CACHE_DIR="$tmp/custom"
+check "a custom specialisation (K=96) renders and compiles" '[ "$($tmp/jit_custom get kda_state_bt64_bk96_bv32 sm_80 | head -n 1)" = "cache miss" ]'
+
+echo "$pass passed, $fail failed"
+[ "$fail" = 0 ]
