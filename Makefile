@@ -17,7 +17,7 @@ export KDA_CASES
 TOOLS = $(BUILD)/kda-case $(BUILD)/kda-bench $(BUILD)/demo
 UNITS = $(BUILD)/test_props $(BUILD)/test_stages $(BUILD)/test_errors
 
-.PHONY: all demo test test-sanitize bench clean gen gen-check nvrtc-check cubins
+.PHONY: test-gpu deps all demo test test-sanitize bench clean gen gen-check nvrtc-check cubins
 all: $(TOOLS) $(UNITS) $(BUILD)/test_gpu_stages
 
 $(BUILD)/kda-case: tests/kda_case.c tests/npy.h kda.h
@@ -68,8 +68,12 @@ cubins: $(BUILD)/kda-aot
 demo: $(BUILD)/demo
 	./$(BUILD)/demo
 
-test: $(TOOLS) $(UNITS) $(BUILD)/test_gpu_stages $(BUILD)/test_jit $(BUILD)/kda-aot
+test: deps $(TOOLS) $(UNITS) $(BUILD)/test_gpu_stages $(BUILD)/test_jit $(BUILD)/kda-aot
 	CC="$(CC)" CXX="$(CXX)" tests/run_tests.sh $(BUILD)
+
+# Jinja2 for the generator check (the library itself needs no Python)
+deps:
+	@$(PYTHON) -c "import jinja2" 2>/dev/null || $(PYTHON) -m pip install -q -r gen/requirements.txt
 
 # The same programs under AddressSanitizer and UndefinedBehaviorSanitizer.
 test-sanitize:
@@ -87,3 +91,12 @@ clean:
 $(BUILD)/test_jit: tests/test_jit.c kda.h kernels_generated/kda_kernels.h
 	@mkdir -p $(dir $@)
 	$(CC) $(WARN) -O2 $(CFLAGS) -o $@ $< $(LDLIBS)
+$(BUILD)/test_gpu_stress: tests/test_gpu_stress.c tests/testlib.h kda.h kernels_generated/kda_kernels.h
+	@mkdir -p $(dir $@)
+	$(CC) $(WARN) -O2 $(CFLAGS) -o $@ $< $(LDLIBS)
+
+# On a machine with a GPU: every kernel against its CPU twin, every reference case,
+# numerical stress, compute-sanitizer; writes build/GPU_RESULTS.md. Without a GPU
+# it says so and exits 0.
+test-gpu: $(BUILD)/test_gpu $(BUILD)/test_gpu_stress $(BUILD)/kda-case
+	tests/run_gpu_tests.sh $(BUILD)

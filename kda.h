@@ -224,6 +224,10 @@ typedef struct kda_recurrent_io {
                                   slot named twice). The CUDA backend does not read slots back:
                                   without this copy a slot outside [0, num_slots) is skipped like
                                   padding, and a slot named twice is a race (undefined). */
+    kda_dtype state_dtype;   /* pool form: KDA_F32 (0, the default) or KDA_BF16, which halves the
+                                state traffic of decode. The state is fp32 inside a call; storing
+                                it in bf16 rounds it once per call (relative error 2^-9, and it
+                                accumulates over decode steps: see README). */
 } kda_recurrent_io;
 
 /* ---------------------------------------------------------------------------
@@ -1880,18 +1884,20 @@ static void kda__recurrent_task(void *arg, long long item, float *scratch) {
     int hv = (int)(item % c->HV), sq = (int)(item / c->HV), h = hv / c->G, K = c->K, V = c->V, d, v;
     long long t, sidx = (long long)sq * c->HV + hv;
     float *S = scratch, *qv = S + (size_t)K * V, *kv = qv + K, *ea = kv + K, *e = ea + K, *o = e + V;
-    float *src = NULL, *dst = NULL;
+    void *src = NULL, *dst = NULL;
+    kda_dtype sdt = KDA_F32;
     if (io->state_pool) {
         int slot = io->slots[sq];
-        if (slot < 0) return; /* padding: untouched */
+        if (slot < 0 || slot >= io->num_slots) return; /* padding: untouched */
         src = dst = io->state_pool;
+        sdt = io->state_dtype;
         sidx = (long long)slot * c->HV + hv;
     } else {
-        src = (float *)in->h0;
+        src = (void *)in->h0;
         dst = io->ht;
     }
     for (d = 0; d < K; d++)
-        for (v = 0; v < V; v++) S[(size_t)d * V + v] = src ? src[kda__sidx(p, sidx, d, v)] : 0.0f;
+        for (v = 0; v < V; v++) S[(size_t)d * V + v] = src ? kda__ld(src, sdt, kda__sidx(p, sidx, d, v)) : 0.0f;
     for (t = c->s.bos[sq]; t < c->s.bos[sq] + c->s.len[sq]; t++) {
         size_t qo = ((size_t)t * c->H + h) * K, vo = ((size_t)t * c->HV + hv) * V, go = ((size_t)t * c->HV + hv) * K;
         float b = kda__beta_value(p, kda__ld(in->beta, p->beta_dtype, (size_t)t * c->HV + hv));
@@ -1926,7 +1932,7 @@ static void kda__recurrent_task(void *arg, long long item, float *scratch) {
     }
     if (dst)
         for (d = 0; d < K; d++)
-            for (v = 0; v < V; v++) dst[kda__sidx(p, sidx, d, v)] = S[(size_t)d * V + v];
+            for (v = 0; v < V; v++) kda__st(dst, sdt, kda__sidx(p, sidx, d, v), S[(size_t)d * V + v]);
 }
 
 /* --------------------------------------------------- stage drivers (CPU) */
@@ -2073,7 +2079,7 @@ typedef struct kda__kparams {
     float *dA_log, *ddt_bias;
     float *state_pool;
     const int32_t *slots;
-    long long num_slots;
+    long long num_slots, pool_dtype;
 } kda__kparams;
 
 #define KDA__H2D 0
@@ -3015,7 +3021,7 @@ static void kda__kparams_fill(kda__kparams *a, const kda__cpu *c) {
     a->dA_log = c->dA_log; a->ddt_bias = c->ddt_bias;
     if (c->rio) {
         a->o = c->rio->o; a->ht = c->rio->ht; a->state_pool = c->rio->state_pool; a->slots = c->rio->slots;
-        a->num_slots = c->rio->num_slots;
+        a->num_slots = c->rio->num_slots; a->pool_dtype = c->rio->state_dtype;
     }
     if (c->h_out) a->ht = c->h_out; /* states_out writes the intermediate states through ht */
 }
@@ -3384,6 +3390,9 @@ static kda_status kda__check_slots(kda_context *ctx, const kda_problem *p, const
     if (io->ht) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: ht must be NULL in the state-pool form");
     if (!io->slots) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: state_pool given without slots");
     if (io->num_slots < 1) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: num_slots=%d must be >= 1", io->num_slots);
+    if (io->state_dtype != KDA_F32 && io->state_dtype != KDA_BF16)
+        return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: state_dtype=%s must be f32 or bf16",
+                         kda_dtype_name(io->state_dtype));
     if (!sl) return KDA_OK; /* device slots without a host copy: range-checked by the kernel */
     seen = (unsigned char *)kda__alloc(ctx, (size_t)io->num_slots);
     if (!seen) return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "cannot allocate %d bytes", io->num_slots);
@@ -3413,6 +3422,8 @@ kda_status kda_recurrent_fwd(kda_context *ctx, const kda_problem *p_in, const kd
     pc.chunk_size = 64; /* not used by the recurrence */
     if (!io || !io->o) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: o is required");
     if (!io->state_pool && io->slots) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: slots given without state_pool");
+    if (!io->state_pool && io->state_dtype != KDA_F32)
+        return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: state_dtype applies to the state pool; h0 and ht are fp32");
     if ((s = kda__call_begin(ctx, &c, &pc, in, NULL, io->state_pool == NULL))) return s;
     if (io->state_pool && (s = kda__check_slots(ctx, &pc, io))) goto done;
     c.rio = io;

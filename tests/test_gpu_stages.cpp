@@ -466,6 +466,37 @@ static void run_ops(const Cfg &cf) {
                 for (size_t i = 0; i < sl; i++) changed += memcmp(&poold[s * sl + i], &pool0[s * sl + i], 4) != 0;
         }
         CHECK(changed == 0, "%s: %zu values changed in slots no sequence names", cf.name, changed);
+        /* the same with a bf16 pool: device and CPU round the same fp32 states */
+        std::vector<uint16_t> p16((size_t)nslots * sl), p16c, p16d((size_t)nslots * sl);
+        for (size_t i = 0; i < p16.size(); i++) p16[i] = kda_f32_to_bf16(pool0[i]);
+        p16c = p16;
+        void *pool16_d = dup(p16.data(), p16.size() * 2);
+        for (int side = 0; side < 2; side++) {
+            kda_context *ctx = side ? g_dev : cpu;
+            kda_inputs pin = side ? X.dev : X.host;
+            pin.h0 = NULL;
+            kda_recurrent_io io;
+            memset(&io, 0, sizeof io);
+            io.o = side ? o.d : (void *)o.c.data();
+            io.state_pool = side ? (float *)pool16_d : (float *)(void *)p16c.data();
+            io.slots = side ? (const int32_t *)slots_d : slots.data();
+            io.slots_host = slots.data();
+            io.num_slots = nslots;
+            io.state_dtype = KDA_BF16;
+            CHECK(kda_recurrent_fwd(ctx, &p, &pin, &io) == KDA_OK, "%s: bf16 pool on %s: %s", cf.name,
+                  side ? "device" : "cpu", kda_last_error(ctx));
+        }
+        down(p16d.data(), pool16_d, p16d.size() * 2);
+        std::vector<float> a(p16.size()), b(p16.size());
+        size_t changed16 = 0;
+        for (size_t i = 0; i < p16.size(); i++) {
+            a[i] = kda_bf16_to_f32(p16c[i]); b[i] = kda_bf16_to_f32(p16d[i]);
+            bool named = false;
+            for (int n = 0; n < N; n++) named |= slots[n] == (int)(i / sl);
+            if (!named) changed16 += p16d[i] != p16[i];
+        }
+        CHECK(err_f(a.data(), b.data(), a.size()) <= 1e-2, "%s: bf16 pool states", cf.name);
+        CHECK(changed16 == 0, "%s: bf16 pool: %zu values changed in slots no sequence names", cf.name, changed16);
     }
     dfree_all();
     t_inst_free(&I);

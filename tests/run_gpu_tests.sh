@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The GPU tests (make test-gpu). Without a GPU: says so and exits 0. Ends with
+# "N passed, N failed" and writes BUILD/GPU_RESULTS.md (device, date, commands, counts).
+set -u
+build=${1:-build}
+cases=${KDA_CASES:-../shared/cases}
+log="$build/gpu_tests.log"
+: > "$log"
+probe=$("$build/test_gpu" --quick prepare 2>&1); rc=$?
+if [ $rc = 3 ]; then
+    echo "no GPU here ($(echo "$probe" | head -n 1)); the GPU tests need one. Nothing run."
+    exit 0
+fi
+pass=0; fail=0
+summary=()
+run() { # name, command...: a program that ends with "N passed, N failed"
+    local name=$1; shift
+    local out; out=$("$@" 2>&1); local rc=$?
+    echo "$out" >> "$log"
+    echo "$out" | grep -E '^FAIL' | head -n 20
+    local line; line=$(echo "$out" | grep -E '^[0-9]+ passed, [0-9]+ failed$' | tail -n 1)
+    if [ -z "$line" ]; then fail=$((fail + 1)); line="did not finish (exit $rc)"; echo "$out" | tail -n 15;
+    else pass=$((pass + ${line%% passed*})); f=${line#*passed, }; fail=$((fail + ${f%% failed})); fi
+    echo "$name: $line"
+    summary+=("| $name | \`$*\` | $line |")
+}
+run "every kernel vs its CPU twin, whole ops" "$build/test_gpu"
+run "numerical stress" "$build/test_gpu_stress"
+# every reference case, every dtype and chunk size, on the GPU
+n=0; nf=0
+for dir in "$cases"/*/; do
+    for dt in f32 f16 bf16; do
+        for ch in 16 32 64; do
+            out=$("$build/kda-case" "$dir" --device gpu --dtype $dt --chunk $ch 2>&1)
+            echo "== kda-case $dir $dt $ch" >> "$log"; echo "$out" >> "$log"
+            n=$((n + 1))
+            if [ "$(echo "$out" | tail -n 1)" != PASS ]; then nf=$((nf + 1)); echo "FAIL: kda-case $dir --dtype $dt --chunk $ch"; echo "$out" | grep -v ' ok$'; fi
+        done
+    done
+done
+pass=$((pass + n - nf)); fail=$((fail + nf))
+echo "kda-case --device gpu: $((n - nf)) passed, $nf failed"
+summary+=("| reference cases | \`kda-case CASE --device gpu --dtype {f32,f16,bf16} --chunk {16,32,64}\` | $((n - nf)) passed, $nf failed ($n runs) |")
+# compute-sanitizer: memory errors on forward, backward and decode; shared-memory races
+san=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+if [ -n "$san" ]; then
+    run "compute-sanitizer memcheck" "$san" --tool memcheck --error-exitcode 9 "$build/test_gpu" --quick
+    run "compute-sanitizer racecheck" "$san" --tool racecheck --racecheck-report all --error-exitcode 9 "$build/test_gpu" --quick
+else
+    fail=$((fail + 1)); echo "FAIL: compute-sanitizer not found"
+fi
+dev=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n 1)
+{
+    echo "# GPU test results"
+    echo
+    echo "Device: ${dev:-unknown}. Date: $(date -u +%Y-%m-%d). Commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)."
+    echo "Command: \`make test-gpu\` (tests/run_gpu_tests.sh)."
+    echo
+    echo "| what | command | result |"
+    echo "|---|---|---|"
+    printf '%s\n' "${summary[@]}"
+    echo
+    echo "Total: $pass passed, $fail failed."
+} > "$build/GPU_RESULTS.md"
+echo "$pass passed, $fail failed"
+[ "$fail" = 0 ]
