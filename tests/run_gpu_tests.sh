@@ -21,6 +21,10 @@ run() { # name, command...: a program that ends with "N passed, N failed"
     local line; line=$(echo "$out" | grep -E '^[0-9]+ passed, [0-9]+ failed$' | tail -n 1)
     if [ -z "$line" ]; then fail=$((fail + 1)); line="did not finish (exit $rc)"; echo "$out" | tail -n 15;
     else pass=$((pass + ${line%% passed*})); f=${line#*passed, }; fail=$((fail + ${f%% failed})); fi
+    # a sanitizer reports through the exit status and its summary line
+    if [ $rc != 0 ]; then fail=$((fail + 1)); line="$line; exit status $rc"; fi
+    local sumline; sumline=$(echo "$out" | grep -E '(ERROR|RACECHECK) SUMMARY' | tail -n 1 | sed 's/^=* *//')
+    [ -n "$sumline" ] && line="$line; $sumline"
     echo "$name: $line"
     summary+=("| $name | \`$*\` | $line |")
 }
@@ -53,7 +57,7 @@ dev=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/nu
 {
     echo "# GPU test results"
     echo
-    echo "Device: ${dev:-unknown}. Date: $(date -u +%Y-%m-%d). Commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)."
+    echo "Device: ${dev:-unknown}. Date: $(date -u +%Y-%m-%d). Commit: ${KDA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}."
     echo "Command: \`make test-gpu\` (tests/run_gpu_tests.sh)."
     echo
     echo "| what | command | result |"
