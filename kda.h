@@ -130,7 +130,17 @@ const char *kda_status_string(kda_status s);
  * how much it needs. With none set (ptr NULL), each call allocates what it needs
  * through the context's allocator and frees it before returning. */
 void kda_set_workspace(kda_context *ctx, void *ptr, size_t bytes);
-/* CUDA stream (a CUstream) used by every later call; ignored by the CPU backend. */
+/* CUDA stream (a CUstream) used by every later call; ignored by the CPU backend.
+ *
+ * The CUDA backend: each call makes the device's primary context current (push,
+ * then pop), enqueues its kernels and copies on this stream (default: the legacy
+ * default stream) and returns without waiting. It waits for the stream only where
+ * the host must read device data: cu_seqlens when no cu_seqlens_host copy is given,
+ * and kda_memcpy to the host. Without a workspace (kda_set_workspace) each call
+ * allocates one with cuMemAllocAsync / cuMemFreeAsync on the stream (stream-ordered,
+ * from the device's memory pool: cheap after the first call), or with cuMemAlloc /
+ * cuMemFree where the device has no memory pools (these synchronise the device).
+ * fp32 data is computed in fp32 on the CUDA cores: no TF32 anywhere. */
 void kda_set_stream(kda_context *ctx, void *stream);
 
 /* ---------------------------------------------------------------------------
