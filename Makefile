@@ -91,6 +91,9 @@ clean:
 $(BUILD)/test_jit: tests/test_jit.c kda.h kernels_generated/kda_kernels.h
 	@mkdir -p $(dir $@)
 	$(CC) $(WARN) -O2 $(CFLAGS) -o $@ $< $(LDLIBS)
+$(BUILD)/test_props_gpu: tests/test_props.c tests/gpu_shim.h tests/testlib.h tests/naive.h kda.h kernels_generated/kda_kernels.h
+	@mkdir -p $(dir $@)
+	$(CC) $(WARN) -O2 -DKDA_TEST_GPU $(CFLAGS) -o $@ $< $(LDLIBS)
 $(BUILD)/test_gpu_stress: tests/test_gpu_stress.c tests/testlib.h kda.h kernels_generated/kda_kernels.h
 	@mkdir -p $(dir $@)
 	$(CC) $(WARN) -O2 $(CFLAGS) -o $@ $< $(LDLIBS)
@@ -98,5 +101,10 @@ $(BUILD)/test_gpu_stress: tests/test_gpu_stress.c tests/testlib.h kda.h kernels_
 # On a machine with a GPU: every kernel against its CPU twin, every reference case,
 # numerical stress, compute-sanitizer; writes build/GPU_RESULTS.md. Without a GPU
 # it says so and exits 0.
-test-gpu: $(BUILD)/test_gpu $(BUILD)/test_gpu_stress $(BUILD)/kda-case
+test-gpu: $(BUILD)/test_gpu $(BUILD)/test_props_gpu $(BUILD)/test_gpu_stress $(BUILD)/kda-case
 	tests/run_gpu_tests.sh $(BUILD)
+
+# kda.h as a shared library for bench/compare_fla.py (ctypes; FLA comparison on a GPU)
+$(BUILD)/libkda.so: bench/libkda.c kda.h kernels_generated/kda_kernels.h
+	@mkdir -p $(dir $@)
+	$(CC) $(WARN) -O3 -fPIC -shared $(CFLAGS) -o $@ $< $(LDLIBS)

@@ -48,11 +48,10 @@
  *     {"jit":"kernel",..}         each kernel's NVRTC compile time and cubin size
  *     {"jit":"cold_compile",..}   wall time to compile them all through
  *                                 kda_compile_kernel, one thread per core (--threads)
- *     {"jit":"warm_read_files",..} the cubins written to a temporary folder under the
- *                                 names KDA_CUBIN_DIR uses, then the time to open, read
- *                                 and close them all (page cache hot). Only file
- *                                 reading: not the library's verification, nor
- *                                 cuModuleLoadData.
+ *     {"jit":"aot_load",..}       kda.h's own lookup of them all from KDA_CUBIN_DIR: read
+ *                                 and SHA-256 verify (page cache hot), no GPU, so no
+ *                                 cuModuleLoadData
+ *     {"jit":"cache_load",..}     the same from the disk cache
  * and, when a CUDA context can be created (its arch must be --arch), the library's
  * own path through kda_warmup on fresh contexts:
  *     {"jit":"warmup_nvrtc",..}     empty disk cache, no KDA_CUBIN_DIR: NVRTC + load
@@ -878,30 +877,60 @@ static int bench_jit(const char *arch, int threads)
         if (werr) {
             printf("{\"jit\":\"warm_read_files\",\"error\":\"cannot write the cubins to %s\"}\n", tmpl);
         } else {
-            size_t bytes = 0;
-            int rerr = 0;
-            t0 = now_ms();
-            for (int i = 0; i < n; i++) {
-                snprintf(path, sizeof path, "%s/%s", tmpl, jp.items[i].file);
-                FILE *f = fopen(path, "rb");
-                long len = -1;
-                if (f && fseek(f, 0, SEEK_END) == 0) len = ftell(f);
-                if (!f || len < 0 || fseek(f, 0, SEEK_SET) != 0) {
-                    rerr = 1;
-                    if (f) fclose(f);
-                    continue;
+            /* kda.h's own lookup without a GPU: read + verify (SHA-256) of every cubin,
+             * from KDA_CUBIN_DIR and from the disk cache (the same files under cache
+             * keys); only cuModuleLoadData is left out */
+            kda_context *hc = NULL;
+            kda__cuda *c = calloc(1, sizeof *c);
+            kda_context_create(&hc, KDA_BACKEND_CPU, NULL);
+            snprintf(c->arch, sizeof c->arch, "%s", arch);
+            c->nv_ok = kda__nvrtc_load(&c->nv, c->nv_tried, sizeof c->nv_tried) == 0;
+            if (c->nv_ok && mkdtemp(cache)) {
+                int cerr = 0;
+                for (int i = 0; i < n && !cerr; i++) { /* the cache files: the same cubins under the cache key */
+                    unsigned char key[32];
+                    char hex[32];
+                    const kda__kdesc *k = &kda__kernels[jp.items[i].idx];
+                    kda__kernel_key(k, arch, c->nv.major, c->nv.minor, key);
+                    kda__hex(key, 8, hex);
+                    memcpy((unsigned char *)jp.items[i].cubin + 24, key, 32);
+                    snprintf(path, sizeof path, "%s/%s_%s_%s.cubin", cache, k->name, arch, hex);
+                    FILE *f = fopen(path, "wb");
+                    if (!f || fwrite(jp.items[i].cubin, 1, jp.items[i].size, f) != jp.items[i].size) cerr = 1;
+                    if (f && fclose(f) != 0) cerr = 1;
                 }
-                unsigned char *buf = malloc((size_t)len + 1);
-                if (!buf || fread(buf, 1, (size_t)len, f) != (size_t)len) rerr = 1;
-                bytes += (size_t)len;
-                free(buf);
-                fclose(f);
+                snprintf(c->cache_dir, sizeof c->cache_dir, "%s", cache);
+                c->cache_state = 1;
+                for (int pass = 0; pass < 2 && !cerr; pass++) { /* 0: KDA_CUBIN_DIR, 1: the disk cache */
+                    int bad = 0;
+                    if (pass == 0) setenv("KDA_CUBIN_DIR", tmpl, 1);
+                    else unsetenv("KDA_CUBIN_DIR");
+                    t0 = now_ms();
+                    for (int i = 0; i < n; i++) {
+                        unsigned char *buf = NULL;
+                        const unsigned char *payload = NULL;
+                        size_t len = 0;
+                        int origin = -1, wf = 0;
+                        if (kda__cubin_get(hc, c, &kda__kernels[jp.items[i].idx], &buf, &len, &payload, &origin, &wf) != KDA_OK ||
+                            origin != (pass == 0 ? 1 : 2))
+                            bad++;
+                        free(buf);
+                    }
+                    double ms = now_ms() - t0;
+                    printf("{\"jit\":\"%s\",\"arch\":\"%s\",\"kernels\":%d,\"ms\":%.3f,\"misses\":%d,\"verified\":true,"
+                           "\"what\":\"kda.h's lookup from %s: read + SHA-256 verify of every cubin, one thread, no GPU "
+                           "(cuModuleLoadData not included; see the warmup_* lines where there is a GPU)\"}\n",
+                           pass == 0 ? "aot_load" : "cache_load", arch, n, ms, bad, pass == 0 ? "KDA_CUBIN_DIR" : "the disk cache");
+                }
+                unsetenv("KDA_CUBIN_DIR");
+                rm_dir(cache);
+            } else {
+                printf("{\"jit\":\"aot_load\",\"error\":\"NVRTC not found or no temporary folder\"}\n");
             }
-            double ms = now_ms() - t0;
-            printf("{\"jit\":\"warm_read_files\",\"arch\":\"%s\",\"kernels\":%d,\"ms\":%.3f,\"bytes\":%zu,"
-                   "\"read_errors\":%d,\"verified\":false,\"what\":\"fopen+fread+fclose of each cubin file "
-                   "(KDA_CUBIN_DIR names), one thread, page cache hot; no verification, no cuModuleLoadData\"}\n",
-                   arch, n, ms, bytes, rerr);
+            if (c->nv.lib) dlclose(c->nv.lib);
+            free(c);
+            kda_context_destroy(hc);
+            snprintf(cache, sizeof cache, "%s/kda-bench-cache-XXXXXX", tmp && *tmp ? tmp : "/tmp");
         }
         fflush(stdout);
 

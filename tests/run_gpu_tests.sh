@@ -29,6 +29,7 @@ run() { # name, command...: a program that ends with "N passed, N failed"
     summary+=("| $name | \`$*\` | $line |")
 }
 run "every kernel vs its CPU twin, whole ops" "$build/test_gpu"
+run "properties and finite-difference gradients on the GPU" "$build/test_props_gpu"
 run "numerical stress" "$build/test_gpu_stress"
 # every reference case, every dtype and chunk size, on the GPU
 n=0; nf=0

@@ -6,6 +6,9 @@
  * not change a bit, and the fp16/bf16 conversions round to nearest even. */
 #define KDA_IMPLEMENTATION
 #include "../kda.h"
+#ifdef KDA_TEST_GPU /* the same properties on the GPU: build/test_props_gpu */
+#include "gpu_shim.h"
+#endif
 #include "naive.h"
 #include "testlib.h"
 
