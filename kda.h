@@ -166,6 +166,18 @@ typedef struct kda_problem {
     kda_index_type seqlens_type; /* type of cu_seqlens entries */
 } kda_problem;
 
+/* Shapes: every tensor's shape follows from the description (g and beta have HV
+ * heads because v does; h0, ht have kda_num_seqs states), so there is no separate
+ * shape that could disagree. What can disagree is checked by kda_problem_check and
+ * each operation, before anything is written: sizes < 1; K or V above 256; HV not
+ * a multiple of H; g_dtype/beta_dtype neither f32 nor dtype; chunk_size not 16,
+ * 32 or 64; a non-finite scale; lower_bound outside [-5, 0) for the bounded gate;
+ * allow_neg_eigval without beta_sigmoid; safe_gate with the softplus gate; B != 1
+ * with varlen; cu_seqlens missing, not starting at 0, decreasing or not ending at
+ * T (this is how a wrong number of sequences shows); A_log missing for the softplus
+ * gate, or given without a gate; a NULL required pointer. Each returns
+ * KDA_ERROR_INVALID_ARGUMENT with a message naming the argument and its value. */
+
 /* B,T,H,K,V with HV = H, fp32 everywhere, chunk 64, default scale, no options. */
 kda_problem kda_problem_default(int B, int T, int H, int K, int V);
 /* Checks the description alone (no data). KDA_OK or INVALID_ARGUMENT with the reason. */
