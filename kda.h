@@ -2978,9 +2978,10 @@ static void kda__ws_release(kda_context *ctx, void *ptr, int owned) {
 static const char *const kda__stage_names[] = {
     "prepare", "gate_cumsum", "intra", "solve", "wu", "state", "output", 0, 0, 0, 0,
     "bwd_dav", "bwd_dhu", "bwd_wy", "bwd_intra", "bwd_cumsum", "bwd_gate", "bwd_qkb", 0, 0,
-    "recurrent", "states_out"};
+    "recurrent", "states_out", "selftest_mma"};
 #define KDA__STAGE_RECURRENT 20
 #define KDA__STAGE_STATES_OUT 21
+#define KDA__STAGE_SELFTEST_MMA 22 /* tests only: the tensor-core fragment layout */
 
 /* The kernel variant of `stage` for problem p: exact match on the axes the
  * stage has, the smallest key tile >= K, and the smallest value tile >= V (or

@@ -47,6 +47,8 @@ STAGES = {
     "bwd_qkb":     dict(axes={"dtype": DTYPES, "l2norm": [0, 1]}, grid="rows", threads=256),
     # the per-chunk states in the caller's layout (kda_fwd_outputs.h)
     "states_out":  dict(axes={}, grid="chunk_head", threads=256),
+    # the tensor-core fragment layout, checked on the hardware against tests/cuda_emu.h
+    "selftest_mma": dict(axes={"dtype": ["f16", "bf16"]}, grid="head", threads=32),
     # decode: token-by-token recurrence with the state in shared memory
     "recurrent":   dict(axes={"dtype": DTYPES, "bk": TILES, "bv": [32], "varlen": [0, 1]},
                         grid="seq_head_v", threads=256),

@@ -34,6 +34,7 @@ struct kda_emu_block {
     std::unique_ptr<std::barrier<>> block;
     std::vector<std::unique_ptr<std::barrier<>>> warp;
     std::vector<uint64_t> xchg; // one slot per thread
+    std::vector<uint32_t> mma;  // 10 words per thread: the fragments of one mma
 };
 inline kda_emu_block *kda_emu_state;
 
@@ -64,6 +65,39 @@ template <class T> inline T __shfl_sync(unsigned, T v, int src, int = 32) { retu
 template <class T> inline T __shfl_down_sync(unsigned, T v, int d, int = 32) { return kda_emu_shfl(v, kda_emu_down, d); }
 template <class T> inline T __shfl_up_sync(unsigned, T v, int d, int = 32) { return kda_emu_shfl(v, kda_emu_up, d); }
 
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: D = A B + C for one warp, with
+// the PTX ISA's fragment layouts (groupID g = lane / 4, t = lane % 4):
+//   A 16x16: reg r holds two elements (low half first) at row g + 8*(r & 1),
+//            columns 2t + 8*(r >> 1) + {0, 1}
+//   B 16x8:  reg r holds rows (k) 2t + 8r + {0, 1} of column g
+//   C, D:    element i at row g + 8*(i >> 1), column 2t + (i & 1)
+// The same layouts on a GPU are checked by test_gpu_stages' "selftest_mma" stage.
+inline float kda_emu_half(uint32_t reg, int hi, bool bf16) {
+    uint16_t h = (uint16_t)(hi ? reg >> 16 : reg & 0xffffu);
+    if (bf16) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+    _Float16 x; memcpy(&x, &h, 2); return (float)x;
+}
+inline void kda_emu_mma16816(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4], bool bf16) {
+    const int tid = (int)threadIdx.x, warp = tid / 32, lane = tid % 32;
+    uint32_t *mine = &kda_emu_state->mma[(size_t)tid * 10];
+    for (int i = 0; i < 4; i++) mine[i] = a[i];
+    mine[4] = b[0]; mine[5] = b[1];
+    for (int i = 0; i < 4; i++) memcpy(&mine[6 + i], &c[i], 4);
+    kda_emu_state->warp[warp]->arrive_and_wait();
+    const uint32_t *w = &kda_emu_state->mma[(size_t)warp * 32 * 10];
+    auto A = [&](int row, int k) { return kda_emu_half(w[((row % 8) * 4 + (k % 8) / 2) * 10 + (row >= 8) + 2 * (k >= 8)], k & 1, bf16); };
+    auto B = [&](int k, int col) { return kda_emu_half(w[(col * 4 + (k % 8) / 2) * 10 + 4 + (k >= 8)], k & 1, bf16); };
+    float out[4];
+    for (int i = 0; i < 4; i++) {
+        const int row = lane / 4 + 8 * (i >> 1), col = 2 * (lane % 4) + (i & 1);
+        float acc = c[i];
+        for (int k = 0; k < 16; k++) acc += A(row, k) * B(k, col);
+        out[i] = acc;
+    }
+    kda_emu_state->warp[warp]->arrive_and_wait();
+    for (int i = 0; i < 4; i++) d[i] = out[i];
+}
+
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
@@ -90,6 +124,7 @@ template <class P> inline void kda_emu_launch(void (*kernel)(const P), kda_emu_d
         st.warp.push_back(std::make_unique<std::barrier<>>((std::ptrdiff_t)n));
     }
     st.xchg.assign(threads + 32, 0);
+    st.mma.assign((size_t)(threads + 32) * 10, 0);
     kda_emu_state = &st;
     blockDim.x = threads; blockDim.y = blockDim.z = 1;
     gridDim = grid;

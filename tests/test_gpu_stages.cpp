@@ -343,6 +343,48 @@ static void run_config(const Cfg &cf) {
     kda_context_destroy(cpu);
 }
 
+// ---- the tensor-core fragment layout: D = A B + C, one warp per product ----
+// The emulator (tests/cuda_emu.h) mirrors the PTX layouts; on a GPU the same test
+// checks that the mirror is the hardware's, so kernels built on mma can be
+// trusted when CI runs them on the emulator.
+static void run_mma() {
+    const int M = 64;
+    t_current = "selftest_mma";
+    for (int dt = 1; dt <= 2; dt++) { /* KDA_F16, KDA_BF16 */
+        kda_problem p = kda_problem_default(1, 1, 1, 16, 8);
+        p.dtype = (kda_dtype)dt;
+        const kda__kdesc *k = kda__kernel_find(g_dev, KDA__STAGE_SELFTEST_MMA, &p);
+        CHECK(k != NULL, "no selftest_mma kernel for %s", kda_dtype_name(p.dtype));
+        if (!k) continue;
+        std::vector<float> A((size_t)M * 256), B((size_t)M * 128), C((size_t)M * 128), D((size_t)M * 128);
+        auto rnd = [&](float x) { return dt == KDA_BF16 ? kda_bf16_to_f32(kda_f32_to_bf16(x)) : kda_f16_to_f32(kda_f32_to_f16(x)); };
+        for (float &x : A) x = rnd((float)t_randn());
+        for (float &x : B) x = rnd((float)t_randn());
+        for (float &x : C) x = (float)t_randn();
+        kda__kparams a;
+        memset(&a, 0, sizeof a);
+        a.qn = (float *)dup(A.data(), A.size() * 4);
+        a.kn = (float *)dup(B.data(), B.size() * 4);
+        a.Aqk = (float *)dup(C.data(), C.size() * 4);
+        a.L = (float *)dalloc(D.size() * 4);
+        a.HV = M;
+        unsigned grid[3] = {(unsigned)M, 1, 1};
+        CHECK(g_dev->dev->launch(g_dev, k, grid, &a) == KDA_OK, "launch %s: %s", k->name, kda_last_error(g_dev));
+        down(D.data(), a.L, D.size() * 4);
+        double worst = 0;
+        for (int m = 0; m < M; m++)
+            for (int i = 0; i < 16; i++)
+                for (int j = 0; j < 8; j++) {
+                    double ref = C[(size_t)m * 128 + i * 8 + j];
+                    for (int kk = 0; kk < 16; kk++) ref += (double)A[(size_t)m * 256 + i * 16 + kk] * B[(size_t)m * 128 + kk * 8 + j];
+                    double e = fabs(D[(size_t)m * 128 + i * 8 + j] - ref) / (1.0 + fabs(ref));
+                    if (!(e <= worst)) worst = e;
+                }
+        CHECK(worst < 1e-5, "%s: D = A B + C off by %.3g (a fragment layout differs)", k->name, worst);
+        dfree_all();
+    }
+}
+
 // ---- whole operations on the device against the CPU ----
 static void run_ops(const Cfg &cf) {
     kda_context *cpu = t_cpu();
@@ -510,6 +552,7 @@ int main(int argc, char **argv) {
         else g_only.push_back(argv[i]);
     }
     g_dev = dev_ctx();
+    if (want("selftest_mma")) run_mma();
     for (const Cfg &cf : configs(quick)) {
         printf("problem %s\n", cf.name);
         fflush(stdout);
