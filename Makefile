@@ -39,7 +39,7 @@ build/emu/kernels_emu.inc kernels_generated/kda_kernels.h: $(TEMPLATES)
 	$(PYTHON) gen/kda_gen.py --allow-missing --emu $@ >/dev/null
 $(BUILD)/test_gpu_stages: tests/test_gpu_stages.cpp tests/cuda_emu.h tests/testlib.h kda.h build/emu/kernels_emu.inc
 	@mkdir -p $(dir $@)
-	$(CXX) -std=c++20 -O1 -DKDA_TEST_EMU -Wall -Wextra -Wno-unused-function -Wno-missing-field-initializers -Wno-unknown-pragmas $(CFLAGS) -pthread -o $@ $< $(LDLIBS)
+	$(CXX) -std=c++20 -O1 -DKDA_TEST_EMU $(SAN) -Wall -Wextra -Wno-unused-function -Wno-missing-field-initializers -Wno-unknown-pragmas $(CFLAGS) -pthread -o $@ $< $(LDLIBS)
 # the same test on the machine's GPU
 $(BUILD)/test_gpu: tests/test_gpu_stages.cpp tests/testlib.h kda.h kernels_generated/kda_kernels.h
 	@mkdir -p $(dir $@)
@@ -76,8 +76,9 @@ deps:
 	@$(PYTHON) -c "import jinja2" 2>/dev/null || $(PYTHON) -m pip install -q -r gen/requirements.txt
 
 # The same programs under AddressSanitizer and UndefinedBehaviorSanitizer.
+SAN_FLAGS = -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
 test-sanitize:
-	$(MAKE) BUILD=build/san OPT="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all" \
+	$(MAKE) BUILD=build/san OPT="-O1 $(SAN_FLAGS)" SAN="$(SAN_FLAGS)" \
 	    $(addprefix build/san/,kda-case test_props test_stages test_errors test_gpu_stages)
 	KDA_QUICK=1 tests/run_tests.sh build/san
 
