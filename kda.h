@@ -2123,7 +2123,8 @@ static void kda__dev_destroy(kda_context *ctx) {
     if (ctx->dev && ctx->dev->destroy) ctx->dev->destroy(ctx);
 }
 
-/* A context on a device backend (the CUDA one, or a test's). */
+/* A context on a device backend given as a table: the tests' CPU emulator
+ * (tests/test_gpu_stages.cpp). The CUDA backend sets its table in kda__cuda_open. */
 #if defined(__GNUC__)
 __attribute__((unused))
 #endif

@@ -68,7 +68,6 @@ static kda_context *dev_ctx() {
     return ctx;
 }
 #else
-static int emu_launches;
 static kda_context *dev_ctx() {
     kda_context *ctx = NULL;
     kda_status s = kda_context_create(&ctx, KDA_BACKEND_CUDA, NULL);
@@ -156,7 +155,6 @@ static double err_t(const void *ref, const void *x, size_t n, kda_dtype t) {
     for (size_t i = 0; i < n; i++) { a[i] = kda__ld(ref, t, i); b[i] = kda__ld(x, t, i); }
     return t_err(a.data(), b.data(), n);
 }
-static void poison(void *p, size_t bytes) { if (p) memset(p, 0xff, bytes); }
 
 // Converts the instance's fp32 inputs to the problem's dtypes.
 struct Data {
@@ -560,6 +558,8 @@ int main(int argc, char **argv) {
         if (want("ops")) run_ops(cf);
     }
     kda_context_destroy(g_dev);
+#ifdef KDA_TEST_EMU
     printf("%d kernel launches emulated\n", emu_launches);
+#endif
     return t_report();
 }
