@@ -255,7 +255,10 @@ typedef struct kda_recurrent_io {
 /* ---------------------------------------------------------------------------
  * Operations
  * ------------------------------------------------------------------------- */
-/* Chunked forward (FLA chunk_kda). */
+/* Chunked forward (FLA chunk_kda). On the CUDA backend, f16/bf16 problems with K <= 128
+ * whose outputs ask for neither h nor saved take the fused kernel (16-token chunks, bf16
+ * tensor-core operands, fp32 accumulation, like FLA); everything else, and KDA_FUSED=0,
+ * takes the staged fp32 kernels. The chunk size is then a numerical no-op. */
 kda_status kda_chunk_fwd(kda_context *ctx, const kda_problem *p, const kda_inputs *in,
                          const kda_fwd_outputs *out);
 /* Chunked backward: every gradient w.r.t. the inputs as given. */
@@ -2058,6 +2061,7 @@ typedef struct kda__kdesc {
 #define KDA__GRID_CHUNK_HEAD_V 2
 #define KDA__GRID_SEQ_HEAD_V 3
 #define KDA__GRID_HEAD 4
+#define KDA__GRID_FUSED 5
 
 #if !defined(KDA_NO_CUDA) && defined(KDA_KERNELS_HEADER) /* e.g. a render with --custom variants */
 #include KDA_KERNELS_HEADER
@@ -2102,6 +2106,8 @@ typedef struct kda__kparams {
     float *state_pool;
     const int32_t *slots;
     long long num_slots, pool_dtype;
+    long long fz_mode, fz_nseg, fz_seg_chunks;
+    float *fz_start, *fz_trans;
 } kda__kparams;
 
 #define KDA__H2D 0
@@ -2116,6 +2122,7 @@ typedef struct kda__devops {
     kda_status (*launch)(kda_context *ctx, const kda__kdesc *k, const unsigned grid[3], const kda__kparams *a);
     kda_status (*sync)(kda_context *ctx);
     void (*destroy)(kda_context *ctx);
+    int (*sm_count)(kda_context *ctx); /* streaming multiprocessors; NULL: unknown */
 } kda__devops;
 
 static int kda__on_device(const kda_context *ctx) { return ctx->dev != NULL; }
@@ -2508,7 +2515,7 @@ typedef struct {
     char nv_tried[512];
     kda__CUdevice dev;
     kda__CUcontext pctx;
-    int cc_major, cc_minor, async_alloc;
+    int cc_major, cc_minor, async_alloc, sms;
     char arch[16], name[128];
     char cache_dir[1024];
     int cache_state; /* 0 unknown, 1 usable, -1 unusable (warned) */
@@ -2775,8 +2782,9 @@ static void kda__cu_destroy(kda_context *ctx) {
     ctx->devstate = NULL;
 }
 
-static const kda__devops kda__cuda_ops = {"cuda", kda__cu_alloc, kda__cu_release, kda__cu_copy,
-                                          kda__cu_fill, kda__cu_launch, kda__cu_sync, kda__cu_destroy};
+static int kda__cu_sms(kda_context *ctx) { return kda__cu_state(ctx)->sms; }
+static const kda__devops kda__cuda_ops = {"cuda", kda__cu_alloc, kda__cu_release, kda__cu_copy, kda__cu_fill,
+                                          kda__cu_launch, kda__cu_sync, kda__cu_destroy, kda__cu_sms};
 typedef kda_status (*kda__launch_fn)(kda_context *, const kda__kdesc *, const unsigned[3], const kda__kparams *);
 static kda__launch_fn kda__cu_launch_ptr(void) { return kda__cu_launch; }
 
@@ -2821,6 +2829,7 @@ static kda_status kda__cuda_open(kda_context *ctx) {
     c->cu.device_name(c->name, sizeof c->name, c->dev);
     KDA__CU(c->cu.device_attr(&c->cc_major, 75, c->dev), "cuDeviceGetAttribute", "compute capability major");
     KDA__CU(c->cu.device_attr(&c->cc_minor, 76, c->dev), "cuDeviceGetAttribute", "compute capability minor");
+    KDA__CU(c->cu.device_attr(&c->sms, 16, c->dev), "cuDeviceGetAttribute", "multiprocessor count");
     {
         int pools = 0;
         c->cu.device_attr(&pools, 115, c->dev); /* CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED */
@@ -2977,12 +2986,14 @@ static void kda__ws_release(kda_context *ctx, void *ptr, int owned) {
 /* ------------------------------------------------------- device stages */
 
 static const char *const kda__stage_names[] = {
-    "prepare", "gate_cumsum", "intra", "solve", "wu", "state", "output", 0, 0, 0, 0,
+    "prepare", "gate_cumsum", "intra", "solve", "wu", "state", "output", "fwd_fused", "fwd_combine", 0, 0,
     "bwd_dav", "bwd_dhu", "bwd_wy", "bwd_intra", "bwd_cumsum", "bwd_gate", "bwd_qkb", 0, 0,
     "recurrent", "states_out", "selftest_mma"};
 #define KDA__STAGE_RECURRENT 20
 #define KDA__STAGE_STATES_OUT 21
 #define KDA__STAGE_SELFTEST_MMA 22 /* tests only: the tensor-core fragment layout */
+#define KDA__STAGE_FWD_FUSED 7
+#define KDA__STAGE_FWD_COMBINE 8
 
 /* The kernel variant of `stage` for problem p: exact match on the axes the
  * stage has, the smallest key tile >= K, and the smallest value tile >= V (or
@@ -3076,15 +3087,22 @@ static kda_status kda__stage(kda_context *ctx, kda__cpu *c, int stage) {
     return kda__on_device(ctx) ? kda__dev_stage(ctx, c, stage) : kda__cpu_stage(ctx, c, stage);
 }
 
+/* Shapes fwd_fused covers; others take the staged kernels. f32 stays there on
+ * purpose: the fused kernel rounds matmul operands to bf16. */
+static int kda__fused_shape(const kda_problem *p) {
+    return p->dtype != KDA_F32 && p->K <= 128;
+}
+
 /* Indices of the kernels a forward, backward and decode of p use. */
 int kda_kernels_needed(kda_context *ctx, const kda_problem *p, int *idx, int max) {
-    static const int stages[] = {0, 1, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15, 16, 17, 20, 21};
-    size_t i;
+    static const int stages[] = {0, 1, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15, 16, 17, 20, 21, 7, 8};
+    size_t i, ns = sizeof stages / sizeof stages[0];
     int n = 0;
     if (!ctx) return -1;
     ctx->err[0] = 0;
     if (kda__check_problem(ctx, p) != KDA_OK) return -1;
-    for (i = 0; i < sizeof stages / sizeof stages[0]; i++) {
+    if (!kda__fused_shape(p)) ns -= 2;
+    for (i = 0; i < ns; i++) {
         const kda__kdesc *k = kda__kernel_find(ctx, stages[i], p);
         if (!k) return -1;
         if (n < max && idx) idx[n] = (int)(k - kda__kernels);
@@ -3331,6 +3349,78 @@ static kda_status kda__run_stages(kda_context *ctx, kda__cpu *c, int first, int 
     return s;
 }
 
+/* ---- the fused forward (templates/fwd_fused.cu.j2): one kernel for o and ht */
+
+static int kda__fused_wanted(kda_context *ctx, const kda_problem *p, const kda_inputs *in, const kda_fwd_outputs *out) {
+    const char *env = getenv("KDA_FUSED");
+    (void)in;
+    if (!kda__on_device(ctx) || out->h || out->saved || !kda__fused_shape(p)) return 0;
+    return !(env && env[0] == '0');
+}
+
+/* Segments per sequence: a grid that fills at most half the multiprocessors splits
+ * each sequence so that the output pass has about one block per multiprocessor;
+ * the split costs a transition pass (V + K columns) and a combine, so only small
+ * B*HV take it. KDA_SEGMENTS=n forces n (tests, tuning). Fixed length only. */
+static long long kda__fused_segments(kda_context *ctx, const kda_problem *p, long long nch, int bv) {
+    const char *env = getenv("KDA_SEGMENTS");
+    long long blocks = (long long)p->B * p->HV * ((p->V + bv - 1) / bv), ns = 1;
+    int sms = ctx->dev->sm_count ? ctx->dev->sm_count(ctx) : 0;
+    if (p->num_seqs > 0) return 1;
+    if (env && atoi(env) > 0) ns = atoi(env);
+    else if (sms > 0 && 2 * blocks <= sms) ns = sms / blocks;
+    if (ns > nch / 8 && !(env && atoi(env) > 0)) ns = nch / 8;
+    if (ns > nch) ns = nch;
+    return ns < 1 ? 1 : ns;
+}
+
+static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_problem *p, const kda_fwd_outputs *out) {
+    const kda__kdesc *kf = kda__kernel_find(ctx, KDA__STAGE_FWD_FUSED, p), *kc;
+    long long maxlen = 0, nch, ns, sc, i, N = c->s.N, nvb;
+    size_t tb = kda__tables_size(p), bt = 0, bs = 0;
+    unsigned grid[3];
+    void *ws = NULL;
+    int owned = 0;
+    kda__kparams a;
+    kda_status s;
+    if (!kf || !(kc = kda__kernel_find(ctx, KDA__STAGE_FWD_COMBINE, p))) return KDA_ERROR_UNSUPPORTED;
+    nvb = (p->V + kf->bv - 1) / kf->bv;
+    for (i = 0; i < N; i++)
+        if (c->s.len[i] > maxlen) maxlen = c->s.len[i];
+    if (maxlen == 0) return KDA_OK;
+    nch = (maxlen + 15) / 16;
+    ns = kda__fused_segments(ctx, p, nch, kf->bv);
+    sc = (nch + ns - 1) / ns;
+    ns = (nch + sc - 1) / sc; /* no empty segment */
+    if (ns > 1) {
+        bt = (size_t)N * ns * p->HV * (p->V + p->K) * p->K * sizeof(float);
+        bs = (size_t)N * ns * p->HV * p->V * p->K * sizeof(float);
+    }
+    if ((s = kda__ws_acquire(ctx, tb + bt + bs + 512, &ws, &owned))) return s;
+    if ((s = kda__tables_upload(ctx, c, ws))) goto done;
+    c->ht = out->ht;
+    c->o = out->o;
+    kda__kparams_fill(&a, c);
+    a.fz_nseg = ns;
+    a.fz_seg_chunks = sc;
+    if (ns > 1) {
+        char *base = (char *)(((uintptr_t)ws + tb + 255) & ~(uintptr_t)255);
+        a.fz_trans = (float *)base;
+        a.fz_start = (float *)(((uintptr_t)base + bt + 255) & ~(uintptr_t)255);
+        a.fz_mode = 1; /* segment transitions */
+        grid[0] = (unsigned)(N * ns); grid[1] = (unsigned)p->HV; grid[2] = (unsigned)(nvb + (p->K + kf->bv - 1) / kf->bv);
+        if ((s = ctx->dev->launch(ctx, kf, grid, &a))) goto done;
+        grid[0] = (unsigned)N; grid[2] = (unsigned)((p->V + 15) / 16);
+        if ((s = ctx->dev->launch(ctx, kc, grid, &a))) goto done;
+    }
+    a.fz_mode = 0; /* the output pass */
+    grid[0] = (unsigned)(N * ns); grid[1] = (unsigned)p->HV; grid[2] = (unsigned)nvb;
+    s = ctx->dev->launch(ctx, kf, grid, &a);
+done:
+    kda__ws_release(ctx, ws, owned);
+    return s;
+}
+
 kda_status kda_chunk_fwd(kda_context *ctx, const kda_problem *p, const kda_inputs *in, const kda_fwd_outputs *out) {
     kda__cpu c;
     kda_work w;
@@ -3344,6 +3434,10 @@ kda_status kda_chunk_fwd(kda_context *ctx, const kda_problem *p, const kda_input
     memset(&w, 0, sizeof w);
     if (!out || !out->o) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "outputs: o is required");
     if ((s = kda__call_begin(ctx, &c, p, in, &w, 1))) return s;
+    if (kda__fused_wanted(ctx, p, in, out)) {
+        s = kda__fused_fwd(ctx, &c, p, out);
+        goto done;
+    }
     tb = kda__tables_size(p);
     if ((s = kda__ws_acquire(ctx, tb + (out->saved ? 0 : kda_work_layout(p, KDA_WORK_FWD, NULL, NULL)), &ws, &owned)))
         goto done;

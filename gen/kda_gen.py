@@ -25,7 +25,7 @@ import table  # noqa: E402
 AXES = ["dtype", "bt", "bk", "bv", "gate", "l2norm", "varlen"]
 DTYPE_ID = {"f32": 0, "f16": 1, "bf16": 2}
 GATE_ID = {"none": 0, "softplus": 1, "lower_bound": 2}
-GRID_ID = {"rows": 0, "chunk_head": 1, "chunk_head_v": 2, "seq_head_v": 3, "head": 4}
+GRID_ID = {"rows": 0, "chunk_head": 1, "chunk_head_v": 2, "seq_head_v": 3, "head": 4, "fused": 5}
 
 
 def kernel_name(stage, spec):
@@ -91,7 +91,7 @@ def render(customs, allow_missing=False):
         if allow_missing and not os.path.exists(os.path.join(ROOT, "templates", f"{stage}.cu.j2")):
             continue
         ctx = {ax: spec.get(ax) for ax in AXES}
-        ctx.update(name=name, stage=stage, threads=row["threads"], rows_per_block=table.ROWS_PER_BLOCK)
+        ctx.update(name=name, stage=stage, threads=table.threads(stage, spec), rows_per_block=table.ROWS_PER_BLOCK)
         src = env.get_template(f"{stage}.cu.j2").render(**ctx)
         entries.append((stage, spec, name, row, src))
     return common, entries
@@ -125,7 +125,7 @@ def emit(common, entries):
             return m[spec[a]] if m else spec[a]
         lines.append(f'    {{"{stage}", "{name}", {ax("dtype", DTYPE_ID)}, {ax("bt")}, {ax("bk")}, {ax("bv")}, '
                      f'{ax("gate", GATE_ID)}, {ax("l2norm")}, {ax("varlen")}, {GRID_ID[row["grid"]]}, '
-                     f'{row["threads"]}, kda__src_{i}}},')
+                     f'{table.threads(stage, spec)}, kda__src_{i}}},')
     lines.append("};")
     return "\n".join(lines) + "\n"
 

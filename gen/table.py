@@ -20,6 +20,8 @@ Launch geometry (`grid`) is named, and kda.h computes it from the problem:
   chunk_head_v (NTmax, HV, ceil(V / bv))     ... and value tile
   seq_head_v   (N, HV, ceil(V / bv))         one block per sequence, value head, value tile
   head         (HV, 1, 1)                    one block per value head
+  fused        set by kda.h's fused forward: (N * segments, HV, column blocks) for
+               fwd_fused, (N, HV, ceil(V / 16)) for fwd_combine
 """
 
 DTYPES = ["f32", "f16", "bf16"]
@@ -37,6 +39,11 @@ STAGES = {
     "wu":          dict(axes={"bt": BTS, "dtype": DTYPES}, grid="chunk_head", threads=256),
     "state":       dict(axes={"bt": BTS, "bk": TILES, "bv": [32]}, grid="seq_head_v", threads=256),
     "output":      dict(axes={"bt": BTS, "dtype": DTYPES, "bv": [32, 64]}, grid="chunk_head_v", threads=256),
+    # the fused forward (16-token chunks, tensor cores; f16/bf16, K <= bk): the default
+    # forward when no intermediates are asked for; fwd_combine joins split sequences
+    "fwd_fused":   dict(axes={"dtype": ["f16", "bf16"], "bk": [64, 128], "bv": [64, 128]}, grid="fused",
+                        threads="2*bv"),
+    "fwd_combine": dict(axes={}, grid="fused", threads=128),
     # backward
     "bwd_dav":     dict(axes={"bt": BTS, "dtype": DTYPES}, grid="chunk_head", threads=256),
     "bwd_dhu":     dict(axes={"bt": BTS, "bk": TILES, "bv": [32], "dtype": DTYPES}, grid="seq_head_v", threads=256),
@@ -53,6 +60,14 @@ STAGES = {
     "recurrent":   dict(axes={"dtype": DTYPES, "bk": TILES, "bv": [32], "varlen": [0, 1]},
                         grid="seq_head_v", threads=256),
 }
+
+
+
+def threads(stage, spec):
+    """Threads per block of a variant: a number, or an expression in the variant's axes."""
+    t = STAGES[stage]["threads"]
+    return t if isinstance(t, int) else eval(t, {}, dict(spec))
+
 
 # tokens per block for the "rows" grid
 ROWS_PER_BLOCK = 8

@@ -372,13 +372,22 @@ int main(int argc, char **argv)
     int fwd_ok = 0;
     out.o = KEEP(alloc_out(nv, dtype, &err));
     if (c.ht) out.ht = (float *)KEEP(alloc_out(ns, KDA_F32, &err));
-    if (c.grad) out.saved = KEEP(to_device(g_ctx, NULL, kda_fwd_saved_size(&p)));
-    if (c.grad && !out.saved) fail_msg("to_device", dev_error), err = 1;
     if (err) goto done;
+    /* the inference forward (o, ht: the fused kernel where it applies), then, for the
+     * backward, the forward that keeps its intermediates (the staged kernels) */
     if (api("kda_chunk_fwd", kda_chunk_fwd(g_ctx, &p, &in, &out)) == 0) {
-        fwd_ok = 1;
         compare("o", c.o, out.o, nv, dtype, tol);
         compare("ht", c.ht, out.ht, ns, KDA_F32, tol);
+    }
+    if (c.grad) {
+        out.saved = KEEP(to_device(g_ctx, NULL, kda_fwd_saved_size(&p)));
+        if (!out.saved) fail_msg("to_device", dev_error), err = 1;
+        if (err) goto done;
+        if (api("kda_chunk_fwd(saved)", kda_chunk_fwd(g_ctx, &p, &in, &out)) == 0) {
+            fwd_ok = 1;
+            compare("o(saved)", c.o, out.o, nv, dtype, tol);
+            compare("ht(saved)", c.ht, out.ht, ns, KDA_F32, tol);
+        }
     }
 
     /* ---- chunked backward: with the saved intermediates, then recomputing ---- */
