@@ -3,7 +3,7 @@
  *
  *     cc -std=c11 -O3 -march=native bench/kda_bench.c -o kda-bench -lm -lpthread -ldl
  *     ./kda-bench --device cpu [--reps N] [--threads N]
- *     ./kda-bench --device gpu [--reps N] [--peak-gbps X]
+ *     ./kda-bench --device gpu [--reps N] [--peak-gbps X] [--ops fwd,bwd,decode]
  *     ./kda-bench --jit [--arch sm_90a] [--threads N]
  *
  * Prints one JSON line per (shape, op):
@@ -562,6 +562,8 @@ static void gpu_error_line(const char *op, const shape *s, const char *extra)
     fflush(stdout);
 }
 
+static const char *g_ops = "fwd,bwd,decode"; /* --ops: which GPU operations to time */
+
 static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double peak_gbps)
 {
     kda_problem p = bench_problem(s);
@@ -599,13 +601,15 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
 
     double flops = fwd_flops(&p, s->cu_seqlens), med, mn;
     double in_bytes = 2.0 * n_qk * 2 + n_v * 2.0 + n_g * 4.0 + n_beta * 2.0; /* q, k, v, g, beta */
-    if (gpu_time(ctx, run_fwd, "kda_chunk_fwd", &p, &in, &out, reps, &med, &mn) == 0) {
+    if (!strstr(g_ops, "fwd")) {
+    } else if (gpu_time(ctx, run_fwd, "kda_chunk_fwd", &p, &in, &out, reps, &med, &mn) == 0) {
         gpu_print("fwd", s, med, mn, flops, in_bytes + n_v * 2.0, peak_gbps, FLOP_MODEL, BYTES_MODEL_FWD, NULL);
     } else {
         gpu_error_line("fwd", s, NULL);
     }
 
-    if (!(io.dout = dtile(ctx, &b, pool_randn_bf16, n_v, 2)) || !(io.dq = dalloc(ctx, &b, n_qk * 2, NULL)) ||
+    if (!strstr(g_ops, "bwd")) {
+    } else if (!(io.dout = dtile(ctx, &b, pool_randn_bf16, n_v, 2)) || !(io.dq = dalloc(ctx, &b, n_qk * 2, NULL)) ||
         !(io.dk = dalloc(ctx, &b, n_qk * 2, NULL)) || !(io.dv = dalloc(ctx, &b, n_v * 2, NULL)) ||
         !(io.dg = dalloc(ctx, &b, n_g * 4, NULL)) || !(io.dbeta = dalloc(ctx, &b, n_beta * 2, NULL)) ||
         !(io.dh0 = dalloc(ctx, &b, n_state * 4, NULL))) {
@@ -693,7 +697,8 @@ static int bench_gpu(int reps, double peak_gbps)
     }
     for (size_t i = 0; i < sizeof gpu_shapes / sizeof gpu_shapes[0]; i++)
         gpu_bench_shape(ctx, &gpu_shapes[i], reps, peak_gbps);
-    for (size_t i = 0; i < sizeof decode_N / sizeof decode_N[0]; i++) gpu_bench_decode(ctx, decode_N[i], reps, peak_gbps);
+    for (size_t i = 0; strstr(g_ops, "decode") && i < sizeof decode_N / sizeof decode_N[0]; i++)
+        gpu_bench_decode(ctx, decode_N[i], reps, peak_gbps);
     pools_free();
     cu_close();
     kda_context_destroy(ctx);
@@ -973,7 +978,7 @@ static int bench_jit(const char *arch, int threads)
 
 static int usage(void)
 {
-    fprintf(stderr, "usage: kda-bench --device cpu|gpu [--reps N] [--threads N] [--peak-gbps X]\n"
+    fprintf(stderr, "usage: kda-bench --device cpu|gpu [--reps N] [--threads N] [--peak-gbps X] [--ops fwd,bwd,decode]\n"
                     "       kda-bench --jit [--arch sm_90a] [--threads N]\n");
     return 1;
 }
@@ -992,6 +997,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--threads")) threads = atoi(val);
         else if (!strcmp(a, "--peak-gbps")) peak_gbps = atof(val);
         else if (!strcmp(a, "--arch")) arch = val;
+        else if (!strcmp(a, "--ops")) g_ops = val;
         else return usage();
         i++;
     }
