@@ -3095,6 +3095,7 @@ static int kda__fused_shape(const kda_problem *p) {
 
 /* Indices of the kernels a forward, backward and decode of p use. */
 int kda_kernels_needed(kda_context *ctx, const kda_problem *p, int *idx, int max) {
+    /* the fused forward's two stages last: problems it does not cover leave them out */
     static const int stages[] = {0, 1, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15, 16, 17, 20, 21, 7, 8};
     size_t i, ns = sizeof stages / sizeof stages[0];
     int n = 0;
@@ -3351,9 +3352,8 @@ static kda_status kda__run_stages(kda_context *ctx, kda__cpu *c, int first, int 
 
 /* ---- the fused forward (templates/fwd_fused.cu.j2): one kernel for o and ht */
 
-static int kda__fused_wanted(kda_context *ctx, const kda_problem *p, const kda_inputs *in, const kda_fwd_outputs *out) {
+static int kda__fused_wanted(kda_context *ctx, const kda_problem *p, const kda_fwd_outputs *out) {
     const char *env = getenv("KDA_FUSED");
-    (void)in;
     if (!kda__on_device(ctx) || out->h || out->saved || !kda__fused_shape(p)) return 0;
     return !(env && env[0] == '0');
 }
@@ -3364,12 +3364,13 @@ static int kda__fused_wanted(kda_context *ctx, const kda_problem *p, const kda_i
  * B*HV take it. KDA_SEGMENTS=n forces n (tests, tuning). Fixed length only. */
 static long long kda__fused_segments(kda_context *ctx, const kda_problem *p, long long nch, int bv) {
     const char *env = getenv("KDA_SEGMENTS");
-    long long blocks = (long long)p->B * p->HV * ((p->V + bv - 1) / bv), ns = 1;
+    long long blocks = (long long)p->B * p->HV * ((p->V + bv - 1) / bv), ns = env ? atoi(env) : 0;
     int sms = ctx->dev->sm_count ? ctx->dev->sm_count(ctx) : 0;
     if (p->num_seqs > 0) return 1;
-    if (env && atoi(env) > 0) ns = atoi(env);
-    else if (sms > 0 && 2 * blocks <= sms) ns = sms / blocks;
-    if (ns > nch / 8 && !(env && atoi(env) > 0)) ns = nch / 8;
+    if (ns <= 0) { /* automatic: segments of at least 8 chunks */
+        ns = sms > 0 && 2 * blocks <= sms ? sms / blocks : 1;
+        if (ns > nch / 8) ns = nch / 8;
+    }
     if (ns > nch) ns = nch;
     return ns < 1 ? 1 : ns;
 }
@@ -3434,7 +3435,7 @@ kda_status kda_chunk_fwd(kda_context *ctx, const kda_problem *p, const kda_input
     memset(&w, 0, sizeof w);
     if (!out || !out->o) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "outputs: o is required");
     if ((s = kda__call_begin(ctx, &c, p, in, &w, 1))) return s;
-    if (kda__fused_wanted(ctx, p, in, out)) {
+    if (kda__fused_wanted(ctx, p, out)) {
         s = kda__fused_fwd(ctx, &c, p, out);
         goto done;
     }

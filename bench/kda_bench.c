@@ -601,24 +601,25 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
 
     double flops = fwd_flops(&p, s->cu_seqlens), med, mn;
     double in_bytes = 2.0 * n_qk * 2 + n_v * 2.0 + n_g * 4.0 + n_beta * 2.0; /* q, k, v, g, beta */
-    if (!strstr(g_ops, "fwd")) {
-    } else if (gpu_time(ctx, run_fwd, "kda_chunk_fwd", &p, &in, &out, reps, &med, &mn) == 0) {
-        gpu_print("fwd", s, med, mn, flops, in_bytes + n_v * 2.0, peak_gbps, FLOP_MODEL, BYTES_MODEL_FWD, NULL);
-    } else {
-        gpu_error_line("fwd", s, NULL);
+    if (strstr(g_ops, "fwd")) {
+        if (gpu_time(ctx, run_fwd, "kda_chunk_fwd", &p, &in, &out, reps, &med, &mn) == 0)
+            gpu_print("fwd", s, med, mn, flops, in_bytes + n_v * 2.0, peak_gbps, FLOP_MODEL, BYTES_MODEL_FWD, NULL);
+        else
+            gpu_error_line("fwd", s, NULL);
     }
 
-    if (!strstr(g_ops, "bwd")) {
-    } else if (!(io.dout = dtile(ctx, &b, pool_randn_bf16, n_v, 2)) || !(io.dq = dalloc(ctx, &b, n_qk * 2, NULL)) ||
-        !(io.dk = dalloc(ctx, &b, n_qk * 2, NULL)) || !(io.dv = dalloc(ctx, &b, n_v * 2, NULL)) ||
-        !(io.dg = dalloc(ctx, &b, n_g * 4, NULL)) || !(io.dbeta = dalloc(ctx, &b, n_beta * 2, NULL)) ||
-        !(io.dh0 = dalloc(ctx, &b, n_state * 4, NULL))) {
-        gpu_error_line("bwd", s, NULL);
-    } else if (gpu_time(ctx, run_bwd, "kda_chunk_bwd", &p, &in, &io, reps, &med, &mn) == 0) {
-        double bytes = in_bytes + n_v * 2.0 /* dout */ + in_bytes /* the gradients, same sizes */;
-        gpu_print("bwd", s, med, mn, 3.0 * flops, bytes, peak_gbps, FLOP_MODEL, BYTES_MODEL_BWD, NULL);
-    } else {
-        gpu_error_line("bwd", s, NULL);
+    if (strstr(g_ops, "bwd")) {
+        if (!(io.dout = dtile(ctx, &b, pool_randn_bf16, n_v, 2)) || !(io.dq = dalloc(ctx, &b, n_qk * 2, NULL)) ||
+            !(io.dk = dalloc(ctx, &b, n_qk * 2, NULL)) || !(io.dv = dalloc(ctx, &b, n_v * 2, NULL)) ||
+            !(io.dg = dalloc(ctx, &b, n_g * 4, NULL)) || !(io.dbeta = dalloc(ctx, &b, n_beta * 2, NULL)) ||
+            !(io.dh0 = dalloc(ctx, &b, n_state * 4, NULL))) {
+            gpu_error_line("bwd", s, NULL);
+        } else if (gpu_time(ctx, run_bwd, "kda_chunk_bwd", &p, &in, &io, reps, &med, &mn) == 0) {
+            double bytes = in_bytes + n_v * 2.0 /* dout */ + in_bytes /* the gradients, same sizes */;
+            gpu_print("bwd", s, med, mn, 3.0 * flops, bytes, peak_gbps, FLOP_MODEL, BYTES_MODEL_BWD, NULL);
+        } else {
+            gpu_error_line("bwd", s, NULL);
+        }
     }
     kda_set_workspace(ctx, NULL, 0);
     dfree_all(ctx, &b);
@@ -697,8 +698,8 @@ static int bench_gpu(int reps, double peak_gbps)
     }
     for (size_t i = 0; i < sizeof gpu_shapes / sizeof gpu_shapes[0]; i++)
         gpu_bench_shape(ctx, &gpu_shapes[i], reps, peak_gbps);
-    for (size_t i = 0; strstr(g_ops, "decode") && i < sizeof decode_N / sizeof decode_N[0]; i++)
-        gpu_bench_decode(ctx, decode_N[i], reps, peak_gbps);
+    if (strstr(g_ops, "decode"))
+        for (size_t i = 0; i < sizeof decode_N / sizeof decode_N[0]; i++) gpu_bench_decode(ctx, decode_N[i], reps, peak_gbps);
     pools_free();
     cu_close();
     kda_context_destroy(ctx);

@@ -411,10 +411,12 @@ static void run_fused(const Cfg &cf, const char *segments, bool wide_gate) {
     t_current = "fused";
     t_inst_init(&I, &cf.p, cf.cu.empty() ? NULL : cf.cu.data(), cf.has_h0, 0);
     const kda_problem &p = I.p;
-    if (wide_gate) // every 7th token forgets (g -> -1000 after the softplus), one chunk's span stays factorable
-        for (size_t r = 0; r < (size_t)p.B * p.T; r++)
+    if (wide_gate) { // every 7th token forgets (g -> -1000 after the softplus), one chunk's span stays factorable
+        for (int c = 0; c < p.HV; c++) I.A_log[c] = 0.0f;
+        for (size_t r = 17; r < (size_t)p.B * p.T; r++)
             for (int c = 0; c < p.HV * p.K; c++)
-                if (r % 7 == 3 && r > 16) I.g[r * p.HV * p.K + c] = 1000.0f, I.A_log[c / p.K] = 0.0f;
+                if (r % 7 == 3) I.g[r * p.HV * p.K + c] = 1000.0f;
+    }
     DevIn X;
     dev_inputs(X, I);
     const size_t es = kda_dtype_size(p.dtype), nst = I.ns;
