@@ -20,9 +20,10 @@ UNITS = $(BUILD)/test_props $(BUILD)/test_stages $(BUILD)/test_errors
 .PHONY: test-gpu deps all demo test test-sanitize bench clean gen gen-check nvrtc-check cubins
 all: $(TOOLS) $(UNITS) $(BUILD)/test_gpu_stages
 
-$(BUILD)/kda-case: tests/kda_case.c tests/npy.h kda.h
-$(BUILD)/kda-bench: bench/kda_bench.c kda.h
-$(BUILD)/demo: examples/demo.c kda.h
+# the tools embed the kernels (kda.h includes kernels_generated/kda_kernels.h)
+$(BUILD)/kda-case: tests/kda_case.c tests/npy.h kda.h kernels_generated/kda_kernels.h
+$(BUILD)/kda-bench: bench/kda_bench.c kda.h kernels_generated/kda_kernels.h
+$(BUILD)/demo: examples/demo.c kda.h kernels_generated/kda_kernels.h
 $(BUILD)/test_props: tests/test_props.c tests/testlib.h tests/naive.h kda.h
 $(BUILD)/test_stages: tests/test_stages.c tests/testlib.h kda.h
 $(BUILD)/test_errors: tests/test_errors.c tests/testlib.h kda.h

@@ -2054,6 +2054,7 @@ static kda_status kda__stage_needs(kda_context *ctx, const kda_problem *p, const
 typedef struct kda__kdesc {
     const char *stage, *name;
     int dtype, bt, bk, bv, gate, l2norm, varlen, grid, threads;
+    int smem; /* bytes of dynamic shared memory (0: static only) */
     const char *src;
 } kda__kdesc;
 #define KDA__GRID_ROWS 0
@@ -2397,13 +2398,20 @@ static int kda__nvrtc_load(kda__nvrtc *nv, char *tried, size_t tried_n) {
     return 0;
 }
 
-/* NVRTC options for an architecture ("sm_90a"); the kernels need no CUDA headers. */
+/* NVRTC options for an architecture ("sm_90a"); the kernels need no CUDA headers.
+ * KDA_NVRTC_LINEINFO=1 adds source line tables (profilers map samples to template
+ * lines); options are part of the cache key, so such cubins are cached apart. */
 static int kda__nvrtc_options(const char *arch, const char *opts[8], char *archopt, size_t n) {
+    const char *li = getenv("KDA_NVRTC_LINEINFO");
     snprintf(archopt, n, "-arch=%s", arch);
     opts[0] = archopt;
     opts[1] = "-std=c++17";
     opts[2] = "-default-device";
     opts[3] = "-DKDA_NVRTC=1";
+    if (li && li[0] == '1') {
+        opts[4] = "-lineinfo";
+        return 5;
+    }
     return 4;
 }
 
@@ -2492,6 +2500,7 @@ typedef struct {
     kda__CUresult (*module_load)(kda__CUmodule *, const void *);
     kda__CUresult (*module_unload)(kda__CUmodule);
     kda__CUresult (*module_function)(kda__CUfunction *, kda__CUmodule, const char *);
+    kda__CUresult (*func_attr)(kda__CUfunction, int, int);
     kda__CUresult (*launch)(kda__CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                             kda__CUstream, void **, void **);
     kda__CUresult (*mem_alloc)(kda__CUdeviceptr *, size_t);
@@ -2719,6 +2728,11 @@ static kda_status kda__cu_load(kda_context *ctx, kda__cuda *c, const kda__kdesc 
         c->cu.module_unload(m.mod);
         return kda__cu_fail(ctx, c, r, "cuModuleGetFunction", k->name);
     }
+    /* beyond 48 KB a kernel must opt in to its dynamic shared memory */
+    if (k->smem > 48 * 1024 && (r = c->cu.func_attr(m.fn, 8 /* MAX_DYNAMIC_SHARED_SIZE_BYTES */, k->smem))) {
+        c->cu.module_unload(m.mod);
+        return kda__cu_fail(ctx, c, r, "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", k->name);
+    }
     if (c->nmods == c->cap) {
         int cap = c->cap ? 2 * c->cap : 32;
         kda__kmod *mm = (kda__kmod *)kda__alloc(ctx, sizeof(kda__kmod) * (size_t)cap);
@@ -2761,7 +2775,7 @@ static kda_status kda__cu_launch(kda_context *ctx, const kda__kdesc *k, const un
     if ((s = kda__cu_enter(ctx, c))) return s;
     if ((s = kda__cu_function(ctx, c, k, &fn))) { kda__cu_leave(c); return s; }
     args[0] = &copy;
-    r = c->cu.launch(fn, grid[0], grid[1], grid[2], (unsigned)k->threads, 1, 1, 0, (kda__CUstream)ctx->stream, args, NULL);
+    r = c->cu.launch(fn, grid[0], grid[1], grid[2], (unsigned)k->threads, 1, 1, (unsigned)k->smem, (kda__CUstream)ctx->stream, args, NULL);
     kda__cu_leave(c);
     return r ? kda__cu_fail(ctx, c, r, "cuLaunchKernel", k->name) : KDA_OK;
 }
@@ -2813,6 +2827,7 @@ static kda_status kda__cuda_open(kda_context *ctx) {
     KDA__CUSYM(ctx_push, "cuCtxPushCurrent_v2"); KDA__CUSYM(ctx_pop, "cuCtxPopCurrent_v2");
     KDA__CUSYM(module_load, "cuModuleLoadData"); KDA__CUSYM(module_unload, "cuModuleUnload");
     KDA__CUSYM(module_function, "cuModuleGetFunction"); KDA__CUSYM(launch, "cuLaunchKernel");
+    KDA__CUSYM(func_attr, "cuFuncSetAttribute");
     KDA__CUSYM(mem_alloc, "cuMemAlloc_v2"); KDA__CUSYM(mem_free, "cuMemFree_v2");
     KDA__CUSYM(h2d, "cuMemcpyHtoDAsync_v2"); KDA__CUSYM(d2h, "cuMemcpyDtoHAsync_v2");
     KDA__CUSYM(d2d, "cuMemcpyDtoDAsync_v2"); KDA__CUSYM(memset8, "cuMemsetD8Async");

@@ -27,7 +27,8 @@
  * --device gpu: the shapes of ANCHORS.md (same inputs and options as the CPU) and
  * decode (one token per sequence, N = 1, 32, 256 sequences, H = 32, K = V = 128,
  * the fp32 state in a pool of N slots updated in place). All buffers are device
- * memory (kda_malloc) with one workspace set up front. Timing: CUDA events on the
+ * memory (kda_malloc) with one workspace set up front. --shape B,T,H,K,V times that
+ * one shape instead (profiling). Timing: CUDA events on the
  * default stream (the stream kda uses unless kda_set_stream says otherwise), 2
  * warm-up calls, then --reps timed calls (default 10), each between two events.
  * The lines carry the CPU lines' fields ("threads" is null) plus
@@ -563,6 +564,7 @@ static void gpu_error_line(const char *op, const shape *s, const char *extra)
 }
 
 static const char *g_ops = "fwd,bwd,decode"; /* --ops: which GPU operations to time */
+static shape g_shape;                        /* --shape B,T,H,K,V: this one instead of the table */
 
 static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double peak_gbps)
 {
@@ -696,8 +698,10 @@ static int bench_gpu(int reps, double peak_gbps)
         kda_context_destroy(ctx);
         return rc;
     }
-    for (size_t i = 0; i < sizeof gpu_shapes / sizeof gpu_shapes[0]; i++)
-        gpu_bench_shape(ctx, &gpu_shapes[i], reps, peak_gbps);
+    if (g_shape.B) gpu_bench_shape(ctx, &g_shape, reps, peak_gbps);
+    else
+        for (size_t i = 0; i < sizeof gpu_shapes / sizeof gpu_shapes[0]; i++)
+            gpu_bench_shape(ctx, &gpu_shapes[i], reps, peak_gbps);
     if (strstr(g_ops, "decode"))
         for (size_t i = 0; i < sizeof decode_N / sizeof decode_N[0]; i++) gpu_bench_decode(ctx, decode_N[i], reps, peak_gbps);
     pools_free();
@@ -980,6 +984,7 @@ static int bench_jit(const char *arch, int threads)
 static int usage(void)
 {
     fprintf(stderr, "usage: kda-bench --device cpu|gpu [--reps N] [--threads N] [--peak-gbps X] [--ops fwd,bwd,decode]\n"
+                    "                 [--shape B,T,H,K,V]   (gpu: this shape instead of ANCHORS.md's)\n"
                     "       kda-bench --jit [--arch sm_90a] [--threads N]\n");
     return 1;
 }
@@ -999,7 +1004,12 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--peak-gbps")) peak_gbps = atof(val);
         else if (!strcmp(a, "--arch")) arch = val;
         else if (!strcmp(a, "--ops")) g_ops = val;
-        else return usage();
+        else if (!strcmp(a, "--shape")) {
+            shape *g = &g_shape;
+            if (sscanf(val, "%d,%d,%d,%d,%d", &g->B, &g->T, &g->H, &g->K, &g->V) != 5 || g->B < 1 || g->T < 1 ||
+                g->H < 1 || g->K < 1 || g->V < 1)
+                return usage();
+        } else return usage();
         i++;
     }
     if (reps < 0 || threads < 0 || !(peak_gbps > 0)) return usage();

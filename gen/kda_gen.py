@@ -91,7 +91,8 @@ def render(customs, allow_missing=False):
         if allow_missing and not os.path.exists(os.path.join(ROOT, "templates", f"{stage}.cu.j2")):
             continue
         ctx = {ax: spec.get(ax) for ax in AXES}
-        ctx.update(name=name, stage=stage, threads=table.threads(stage, spec), rows_per_block=table.ROWS_PER_BLOCK)
+        ctx.update(name=name, stage=stage, threads=table.threads(stage, spec), smem=table.smem(stage, spec),
+                   rows_per_block=table.ROWS_PER_BLOCK)
         src = env.get_template(f"{stage}.cu.j2").render(**ctx)
         entries.append((stage, spec, name, row, src))
     return common, entries
@@ -116,7 +117,7 @@ def emit(common, entries):
     ]
     for i, (_, _, name, _, src) in enumerate(entries):
         lines += [f"static const char kda__src_{i}[] = /* {name} */", c_string(src) + ";", ""]
-    lines.append("/* stage, name, dtype, bt, bk, bv, gate, l2norm, varlen (-1: not an axis), grid, threads, source */")
+    lines.append("/* stage, name, dtype, bt, bk, bv, gate, l2norm, varlen (-1: not an axis), grid, threads, smem, source */")
     lines.append("static const kda__kdesc kda__kernels[KDA__NUM_KERNELS] = {")
     for i, (stage, spec, name, row, _) in enumerate(entries):
         def ax(a, m=None):
@@ -125,15 +126,15 @@ def emit(common, entries):
             return m[spec[a]] if m else spec[a]
         lines.append(f'    {{"{stage}", "{name}", {ax("dtype", DTYPE_ID)}, {ax("bt")}, {ax("bk")}, {ax("bv")}, '
                      f'{ax("gate", GATE_ID)}, {ax("l2norm")}, {ax("varlen")}, {GRID_ID[row["grid"]]}, '
-                     f'{table.threads(stage, spec)}, kda__src_{i}}},')
+                     f'{table.threads(stage, spec)}, {table.smem(stage, spec)}, kda__src_{i}}},')
     lines.append("};")
     return "\n".join(lines) + "\n"
 
 
-EMU_MACROS = ["ACT", "GATE", "BT", "BK", "BV", "L2NORM", "VARLEN", "THREADS"]
+EMU_MACROS = ["ACT", "GATE", "BT", "BK", "BV", "L2NORM", "VARLEN", "THREADS", "SMEM_BYTES"]
 # the common header's macros, undefined after the kernels so they do not shadow kda.h's enums
 COMMON_MACROS = ["KDA_F32", "KDA_F16", "KDA_BF16", "KDA_GATE_NONE", "KDA_GATE_SOFTPLUS", "KDA_GATE_LOWER_BOUND",
-                 "KDA_BC", "KDA_ROWS", "KDA_RLN2"]
+                 "KDA_BC", "KDA_ROWS", "KDA_RLN2", "KDA_SMEM"]
 
 
 def emit_emu(common, entries):

@@ -22,6 +22,9 @@ Launch geometry (`grid`) is named, and kda.h computes it from the problem:
   head         (HV, 1, 1)                    one block per value head
   fused        set by kda.h's fused forward: (N * segments, HV, column blocks) for
                fwd_fused, (N, HV, ceil(V / 16)) for fwd_combine
+
+`threads` and `smem` (bytes of dynamic shared memory, default 0) are numbers or
+expressions in the variant's axes.
 """
 
 DTYPES = ["f32", "f16", "bf16"]
@@ -41,8 +44,9 @@ STAGES = {
     "output":      dict(axes={"bt": BTS, "dtype": DTYPES, "bv": [32, 64]}, grid="chunk_head_v", threads=256),
     # the fused forward (16-token chunks, tensor cores; f16/bf16, K <= bk): the default
     # forward when no intermediates are asked for; fwd_combine joins split sequences
+    # (bv/16 state warps + 4 factor warps; dynamic shared memory, double-buffered factors)
     "fwd_fused":   dict(axes={"dtype": ["f16", "bf16"], "bk": [64, 128], "bv": [64, 128]}, grid="fused",
-                        threads="2*bv"),
+                        threads="2*bv+256", smem="1024*(30+bk)"),
     "fwd_combine": dict(axes={}, grid="fused", threads=128),
     # backward
     "bwd_dav":     dict(axes={"bt": BTS, "dtype": DTYPES}, grid="chunk_head", threads=256),
@@ -63,10 +67,20 @@ STAGES = {
 
 
 
+def _value(stage, spec, key, default):
+    t = STAGES[stage].get(key, default)
+    return t if isinstance(t, int) else eval(t, {}, dict(spec))
+
+
 def threads(stage, spec):
     """Threads per block of a variant: a number, or an expression in the variant's axes."""
-    t = STAGES[stage]["threads"]
-    return t if isinstance(t, int) else eval(t, {}, dict(spec))
+    return _value(stage, spec, "threads", None)
+
+
+def smem(stage, spec):
+    """Bytes of dynamic shared memory of a variant (0: static shared memory only). The
+    template static_asserts that its layout fits, so too small a number fails to compile."""
+    return _value(stage, spec, "smem", 0)
 
 
 # tokens per block for the "rows" grid

@@ -9,11 +9,14 @@
 #pragma once
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <atomic>
 #include <barrier>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -35,12 +38,35 @@ struct kda_emu_block {
     std::vector<std::unique_ptr<std::barrier<>>> warp;
     std::vector<uint64_t> xchg; // one slot per thread
     std::vector<uint32_t> mma;  // 10 words per thread: the fragments of one mma
+    std::unique_ptr<std::barrier<>> named[16]; // bar.sync / bar.arrive, made on first use
+    int named_n[16] = {};
+    std::mutex named_mu;
 };
 inline kda_emu_block *kda_emu_state;
 
 inline void __syncthreads() { kda_emu_state->block->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) {
     kda_emu_state->warp[threadIdx.x / 32]->arrive_and_wait();
+}
+// bar.sync (wait) / bar.arrive id, n. A barrier's thread count is fixed by its first
+// use in a launch; a different count later is a kernel bug (undefined on a GPU).
+inline void kda_emu_bar(int id, int n, bool wait) {
+    kda_emu_block *st = kda_emu_state;
+    std::barrier<> *b;
+    {
+        std::lock_guard<std::mutex> lock(st->named_mu);
+        if (id <= 0 || id >= 16 || n <= 0 || n % 32 || (st->named_n[id] && st->named_n[id] != n)) {
+            fprintf(stderr, "cuda_emu: bar %d with %d threads (earlier %d)\n", id, n, st->named_n[id > 0 && id < 16 ? id : 1]);
+            abort();
+        }
+        if (!st->named[id]) {
+            st->named[id] = std::make_unique<std::barrier<>>((std::ptrdiff_t)n);
+            st->named_n[id] = n;
+        }
+        b = st->named[id].get();
+    }
+    if (wait) b->arrive_and_wait();
+    else (void)b->arrive();
 }
 template <class T> inline T kda_emu_shfl(T v, int src_of_lane(int lane, int arg), int arg) {
     static_assert(sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");
@@ -98,6 +124,13 @@ inline void kda_emu_mma16816(float d[4], const uint32_t a[4], const uint32_t b[2
     for (int i = 0; i < 4; i++) d[i] = out[i];
 }
 
+// cp.async of 16 bytes needs 16-byte aligned shared and global addresses
+inline void kda_emu_check_align16(const void *dst, const void *src) {
+    if (((uintptr_t)dst | (uintptr_t)src) & 15) {
+        fprintf(stderr, "cuda_emu: cp.async of 16 bytes at misaligned %p <- %p\n", dst, src);
+        abort();
+    }
+}
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
