@@ -46,7 +46,7 @@ STAGES = {
     # forward when no intermediates are asked for; fwd_combine joins split sequences
     # (bv/16 state warps + 4 factor warps; dynamic shared memory, double-buffered factors)
     "fwd_fused":   dict(axes={"dtype": ["f16", "bf16"], "bk": [64, 128], "bv": [64, 128]}, grid="fused",
-                        threads="2*bv+256", smem="1024*(30+bk)"),
+                        threads="2*bv+256", smem="1024*(33+bk)"),
     "fwd_combine": dict(axes={}, grid="fused", threads=128),
     # backward
     "bwd_dav":     dict(axes={"bt": BTS, "dtype": DTYPES}, grid="chunk_head", threads=256),

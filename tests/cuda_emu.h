@@ -131,6 +131,24 @@ inline void kda_emu_check_align16(const void *dst, const void *src) {
         abort();
     }
 }
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 (see kda_ldsm4 in the common header)
+inline void kda_emu_ldmatrix(uint32_t r[4], const void *row, bool trans) {
+    const int tid = (int)threadIdx.x, warp = tid / 32, lane = tid % 32;
+    kda_emu_check_align16(row, nullptr);
+    kda_emu_state->xchg[tid] = (uint64_t)(uintptr_t)row;
+    kda_emu_state->warp[warp]->arrive_and_wait();
+    auto at = [&](int m, int rr, int c) { // element (row rr, column c) of matrix m
+        const uint16_t *p = (const uint16_t *)(uintptr_t)kda_emu_state->xchg[warp * 32 + 8 * m + rr];
+        return (uint32_t)p[c];
+    };
+    uint32_t out[4];
+    for (int m = 0; m < 4; m++) {
+        const int a = lane / 4, b = 2 * (lane % 4);
+        out[m] = trans ? (at(m, b, a) | at(m, b + 1, a) << 16) : (at(m, a, b) | at(m, a, b + 1) << 16);
+    }
+    kda_emu_state->warp[warp]->arrive_and_wait();
+    for (int m = 0; m < 4; m++) r[m] = out[m];
+}
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
