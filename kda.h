@@ -3373,18 +3373,30 @@ static int kda__fused_wanted(kda_context *ctx, const kda_problem *p, const kda_f
     return !(env && env[0] == '0');
 }
 
-/* Segments per sequence: a grid that fills at most half the multiprocessors splits
- * each sequence so that the output pass has about one block per multiprocessor;
- * the split costs a transition pass (V + K columns) and a combine, so only small
- * B*HV take it. KDA_SEGMENTS=n forces n (tests, tuning). Fixed length only. */
-static long long kda__fused_segments(kda_context *ctx, const kda_problem *p, long long nch, int bv) {
+/* Segments per sequence. A split into ns segments runs a transition pass of
+ * (ns - 1) * N * HV * (V + K column blocks) blocks and an output pass of
+ * ns * N * HV * (V blocks), each 1/ns of the sequence long, with one block per
+ * multiprocessor (the fused kernel's registers allow no more): time ~ (waves of
+ * the first + waves of the second) * (nch / ns + 12), where 12 chunks stand for
+ * a segment's fixed costs (state in and out, the combine), fitted to an H100 sweep
+ * of 1..16 segments whose best splits it picks (B1 T8192 H32: 3, B1 T65536 H16:
+ * 8; B8 T4096 H16 and B2 T8192 H16 V256: 1). Segments keep at least
+ * 8 chunks, ties go to fewer segments, varlen batches are not split, and
+ * KDA_SEGMENTS=n forces n (tests, tuning). */
+static long long kda__fused_segments(kda_context *ctx, const kda_problem *p, long long nch, int bv, int bk) {
     const char *env = getenv("KDA_SEGMENTS");
-    long long blocks = (long long)p->B * p->HV * ((p->V + bv - 1) / bv), ns = env ? atoi(env) : 0;
+    long long nvb = (p->V + bv - 1) / bv, nkb = (p->K + bk - 1) / bk, heads = (long long)p->B * p->HV;
+    long long ns = env ? atoi(env) : 0, best = 1, i;
     int sms = ctx->dev->sm_count ? ctx->dev->sm_count(ctx) : 0;
-    if (p->num_seqs > 0) return 1;
-    if (ns <= 0) { /* automatic: segments of at least 8 chunks */
-        ns = sms > 0 && 2 * blocks <= sms ? sms / blocks : 1;
-        if (ns > nch / 8) ns = nch / 8;
+    double best_t = 0.0;
+    if (ns <= 0 && (p->num_seqs > 0 || sms <= 0)) return 1;
+    if (ns <= 0) { /* automatic */
+        for (i = 1; i <= 64 && i <= (nch + 7) / 8; i++) {
+            long long w1 = ((i - 1) * heads * (nvb + nkb) + sms - 1) / sms, w0 = (i * heads * nvb + sms - 1) / sms;
+            double t = (double)(w1 + w0) * ((double)nch / (double)i + 12.0);
+            if (i == 1 || t < best_t * 0.97) best = i, best_t = t;
+        }
+        ns = best;
     }
     if (ns > nch) ns = nch;
     return ns < 1 ? 1 : ns;
@@ -3405,7 +3417,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
         if (c->s.len[i] > maxlen) maxlen = c->s.len[i];
     if (maxlen == 0) return KDA_OK;
     nch = (maxlen + 15) / 16;
-    ns = kda__fused_segments(ctx, p, nch, kf->bv);
+    ns = kda__fused_segments(ctx, p, nch, kf->bv, kf->bk);
     sc = (nch + ns - 1) / ns;
     ns = (nch + sc - 1) / sc; /* no empty segment */
     if (ns > 1) {
