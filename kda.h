@@ -2124,6 +2124,7 @@ typedef struct kda__devops {
     kda_status (*sync)(kda_context *ctx);
     void (*destroy)(kda_context *ctx);
     int (*sm_count)(kda_context *ctx); /* streaming multiprocessors; NULL: unknown */
+    int (*smem_optin)(kda_context *ctx); /* most dynamic shared memory a block may have; NULL: unknown */
 } kda__devops;
 
 static int kda__on_device(const kda_context *ctx) { return ctx->dev != NULL; }
@@ -2524,7 +2525,7 @@ typedef struct {
     char nv_tried[512];
     kda__CUdevice dev;
     kda__CUcontext pctx;
-    int cc_major, cc_minor, async_alloc, sms;
+    int cc_major, cc_minor, async_alloc, sms, smem_optin;
     char arch[16], name[128];
     char cache_dir[1024];
     int cache_state; /* 0 unknown, 1 usable, -1 unusable (warned) */
@@ -2797,8 +2798,9 @@ static void kda__cu_destroy(kda_context *ctx) {
 }
 
 static int kda__cu_sms(kda_context *ctx) { return kda__cu_state(ctx)->sms; }
+static int kda__cu_smem_optin(kda_context *ctx) { return kda__cu_state(ctx)->smem_optin; }
 static const kda__devops kda__cuda_ops = {"cuda", kda__cu_alloc, kda__cu_release, kda__cu_copy, kda__cu_fill,
-                                          kda__cu_launch, kda__cu_sync, kda__cu_destroy, kda__cu_sms};
+                                          kda__cu_launch, kda__cu_sync, kda__cu_destroy, kda__cu_sms, kda__cu_smem_optin};
 typedef kda_status (*kda__launch_fn)(kda_context *, const kda__kdesc *, const unsigned[3], const kda__kparams *);
 static kda__launch_fn kda__cu_launch_ptr(void) { return kda__cu_launch; }
 
@@ -2845,6 +2847,7 @@ static kda_status kda__cuda_open(kda_context *ctx) {
     KDA__CU(c->cu.device_attr(&c->cc_major, 75, c->dev), "cuDeviceGetAttribute", "compute capability major");
     KDA__CU(c->cu.device_attr(&c->cc_minor, 76, c->dev), "cuDeviceGetAttribute", "compute capability minor");
     KDA__CU(c->cu.device_attr(&c->sms, 16, c->dev), "cuDeviceGetAttribute", "multiprocessor count");
+    KDA__CU(c->cu.device_attr(&c->smem_optin, 97, c->dev), "cuDeviceGetAttribute", "shared memory per block (opt-in)");
     {
         int pools = 0;
         c->cu.device_attr(&pools, 115, c->dev); /* CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED */
@@ -3367,10 +3370,24 @@ static kda_status kda__run_stages(kda_context *ctx, kda__cpu *c, int first, int 
 
 /* ---- the fused forward (templates/fwd_fused.cu.j2): one kernel for o and ht */
 
+/* The fused forward where it covers the problem and fits the device: its shared
+ * memory (up to 161 KB for K > 64) exceeds what some GPUs give a block (about 99 KB
+ * on sm_86/sm_89); those take the staged kernels, and KDA_LOG=1 says why. */
 static int kda__fused_wanted(kda_context *ctx, const kda_problem *p, const kda_fwd_outputs *out) {
     const char *env = getenv("KDA_FUSED");
-    if (!kda__on_device(ctx) || out->h || out->saved || !kda__fused_shape(p)) return 0;
-    return !(env && env[0] == '0');
+    const kda__kdesc *k;
+    int optin;
+    if (!kda__on_device(ctx) || out->h || out->saved || !kda__fused_shape(p) || (env && env[0] == '0')) return 0;
+    k = kda__kernel_find(ctx, KDA__STAGE_FWD_FUSED, p);
+    optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
+    ctx->err[0] = 0; /* a missing variant is not an error here: the staged path runs */
+    if (!k) return 0;
+    if (optin > 0 && k->smem > optin) {
+        kda__log(ctx, "%s needs %d bytes of shared memory, the device gives a block %d: staged forward", k->name,
+                 k->smem, optin);
+        return 0;
+    }
+    return 1;
 }
 
 /* Segments per sequence. A split into ns segments runs a transition pass of

@@ -61,7 +61,10 @@ static kda_status emu_launch(kda_context *ctx, const kda__kdesc *k, const unsign
 }
 static kda_status emu_sync(kda_context *) { return KDA_OK; }
 static void emu_destroy(kda_context *) {}
-static const kda__devops emu_ops = {"emulator", emu_alloc, emu_release, emu_copy, emu_fill, emu_launch, emu_sync, emu_destroy};
+static int emu_smem_limit; // dynamic shared memory the emulated device gives a block (0: unknown)
+static int emu_smem_optin(kda_context *) { return emu_smem_limit; }
+static const kda__devops emu_ops = {"emulator", emu_alloc, emu_release, emu_copy, emu_fill, emu_launch, emu_sync, emu_destroy,
+                                    nullptr, emu_smem_optin};
 
 static kda_context *dev_ctx() {
     kda_context *ctx = NULL;
@@ -459,6 +462,41 @@ static void run_fused(const Cfg &cf, const char *segments, bool wide_gate) {
     kda_context_destroy(cpu);
 }
 
+#ifdef KDA_TEST_EMU
+// A device that gives a block less shared memory than the fused kernel needs (sm_86's
+// 99 KB against 161 KB) runs the staged forward: same bits as KDA_FUSED=0, no fused launch.
+static void run_fused_declines_without_shared_memory(const Cfg &cf) {
+    t_inst I;
+    t_current = "fused";
+    t_inst_init(&I, &cf.p, cf.cu.empty() ? NULL : cf.cu.data(), cf.has_h0, 0);
+    const kda_problem &p = I.p;
+    DevIn X;
+    dev_inputs(X, I);
+    const size_t es = kda_dtype_size(p.dtype);
+    Out o, os;
+    o.init(I.nv * es); os.init(I.nv * es);
+    emu_smem_limit = 1024;
+    const int before = emu_fused;
+    for (int side = 0; side < 2; side++) {
+        Out &oo = side ? os : o;
+        oo.poison();
+        kda_fwd_outputs out;
+        memset(&out, 0, sizeof out);
+        out.o = oo.d;
+        setenv("KDA_FUSED", side ? "0" : "1", 1);
+        CHECK(kda_chunk_fwd(g_dev, &p, &X.dev, &out) == KDA_OK, "%s: fwd with a small shared memory: %s", cf.name,
+              kda_last_error(g_dev));
+    }
+    unsetenv("KDA_FUSED");
+    emu_smem_limit = 0;
+    o.fetch(); os.fetch();
+    CHECK(emu_fused == before, "%s: the fused kernel ran on a device without its shared memory", cf.name);
+    CHECK(memcmp(o.h.data(), os.h.data(), I.nv * es) == 0, "%s: the declined forward differs from the staged one", cf.name);
+    dfree_all();
+    t_inst_free(&I);
+}
+#endif
+
 // ---- whole operations on the device against the CPU ----
 static void run_ops(const Cfg &cf) {
     kda_context *cpu = t_cpu();
@@ -639,6 +677,9 @@ int main(int argc, char **argv) {
             run_fused(cf, "1", wide);
             if (!cf.p.num_seqs && !wide) run_fused(cf, "3", false);
         }
+#ifdef KDA_TEST_EMU
+        run_fused_declines_without_shared_memory(fused_configs()[0]);
+#endif
     }
     kda_context_destroy(g_dev);
 #ifdef KDA_TEST_EMU
