@@ -44,7 +44,7 @@ STAGES = {
     "output":      dict(axes={"bt": BTS, "dtype": DTYPES, "bv": [32, 64]}, grid="chunk_head_v", threads=256),
     # the fused forward (16-token chunks, tensor cores; f16/bf16, K <= bk): the default
     # forward when no intermediates are asked for; fwd_combine joins split sequences
-    # (bv/16 state warps + 4 factor warps; dynamic shared memory, double-buffered factors)
+    # (bv/16 state warps + two groups of 4 factor warps; dynamic shared memory, double-buffered factors)
     "fwd_fused":   dict(axes={"dtype": ["f16", "bf16"], "bk": [64, 128], "bv": [64, 128]}, grid="fused",
                         threads="2*bv+256", smem="1024*(33+bk)"),
     "fwd_combine": dict(axes={}, grid="fused", threads=128),
