@@ -3370,25 +3370,29 @@ static kda_status kda__run_stages(kda_context *ctx, kda__cpu *c, int first, int 
 
 /* ---- the fused forward (templates/fwd_fused.cu.j2): one kernel for o and ht */
 
-/* The fused forward where it covers the problem and fits the device: its shared
- * memory (up to 161 KB for K > 64) exceeds what some GPUs give a block (about 99 KB
- * on sm_86/sm_89); those take the staged kernels, and KDA_LOG=1 says why. */
-static int kda__fused_wanted(kda_context *ctx, const kda_problem *p, const kda_fwd_outputs *out) {
+/* The fused forward's kernel where it covers the problem and fits the device, else
+ * NULL (the staged kernels run). Its shared memory (up to 161 KB for K > 64) exceeds
+ * what some GPUs give a block (about 99 KB on sm_86/sm_89); KDA_LOG=1 says so. */
+static const kda__kdesc *kda__fused_wanted(kda_context *ctx, const kda_problem *p, const kda_fwd_outputs *out) {
     const char *env = getenv("KDA_FUSED");
     const kda__kdesc *k;
     int optin;
-    if (!kda__on_device(ctx) || out->h || out->saved || !kda__fused_shape(p) || (env && env[0] == '0')) return 0;
+    if (!kda__on_device(ctx) || out->h || out->saved || !kda__fused_shape(p) || (env && env[0] == '0')) return NULL;
     k = kda__kernel_find(ctx, KDA__STAGE_FWD_FUSED, p);
     optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
     ctx->err[0] = 0; /* a missing variant is not an error here: the staged path runs */
-    if (!k) return 0;
-    if (optin > 0 && k->smem > optin) {
+    if (k && optin > 0 && k->smem > optin) {
         kda__log(ctx, "%s needs %d bytes of shared memory, the device gives a block %d: staged forward", k->name,
                  k->smem, optin);
-        return 0;
+        return NULL;
     }
-    return 1;
+    return k;
 }
+
+/* Column blocks of fwd_fused kernel k: value blocks; a transition pass adds K identity
+ * columns in blocks of the same width. */
+static long long kda__fused_vblocks(const kda__kdesc *k, const kda_problem *p) { return (p->V + k->bv - 1) / k->bv; }
+static long long kda__fused_kblocks(const kda__kdesc *k, const kda_problem *p) { return (p->K + k->bv - 1) / k->bv; }
 
 /* Segments per sequence. A split into ns segments runs a transition pass of
  * (ns - 1) * N * HV * (V + K column blocks) blocks and an output pass of
@@ -3400,9 +3404,9 @@ static int kda__fused_wanted(kda_context *ctx, const kda_problem *p, const kda_f
  * 8; B8 T4096 H16 and B2 T8192 H16 V256: 1). Segments keep at least
  * 8 chunks, ties go to fewer segments, varlen batches are not split, and
  * KDA_SEGMENTS=n forces n (tests, tuning). */
-static long long kda__fused_segments(kda_context *ctx, const kda_problem *p, long long nch, int bv, int bk) {
+static long long kda__fused_segments(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, long long nch) {
     const char *env = getenv("KDA_SEGMENTS");
-    long long nvb = (p->V + bv - 1) / bv, nkb = (p->K + bk - 1) / bk, heads = (long long)p->B * p->HV;
+    long long nvb = kda__fused_vblocks(kf, p), nkb = kda__fused_kblocks(kf, p), heads = (long long)p->B * p->HV;
     long long ns = env ? atoi(env) : 0, best = 1, i;
     int sms = ctx->dev->sm_count ? ctx->dev->sm_count(ctx) : 0;
     double best_t = 0.0;
@@ -3419,8 +3423,9 @@ static long long kda__fused_segments(kda_context *ctx, const kda_problem *p, lon
     return ns < 1 ? 1 : ns;
 }
 
-static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_problem *p, const kda_fwd_outputs *out) {
-    const kda__kdesc *kf = kda__kernel_find(ctx, KDA__STAGE_FWD_FUSED, p), *kc;
+static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_problem *p, const kda_fwd_outputs *out,
+                                 const kda__kdesc *kf) {
+    const kda__kdesc *kc = kda__kernel_find(ctx, KDA__STAGE_FWD_COMBINE, p);
     long long maxlen = 0, nch, ns, sc, i, N = c->s.N, nvb;
     size_t tb = kda__tables_size(p), bt = 0, bs = 0;
     unsigned grid[3];
@@ -3428,13 +3433,13 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     int owned = 0;
     kda__kparams a;
     kda_status s;
-    if (!kf || !(kc = kda__kernel_find(ctx, KDA__STAGE_FWD_COMBINE, p))) return KDA_ERROR_UNSUPPORTED;
-    nvb = (p->V + kf->bv - 1) / kf->bv;
+    if (!kc) return KDA_ERROR_UNSUPPORTED;
+    nvb = kda__fused_vblocks(kf, p);
     for (i = 0; i < N; i++)
         if (c->s.len[i] > maxlen) maxlen = c->s.len[i];
     if (maxlen == 0) return KDA_OK;
     nch = (maxlen + 15) / 16;
-    ns = kda__fused_segments(ctx, p, nch, kf->bv, kf->bk);
+    ns = kda__fused_segments(ctx, p, kf, nch);
     sc = (nch + ns - 1) / ns;
     ns = (nch + sc - 1) / sc; /* no empty segment */
     if (ns > 1) {
@@ -3453,7 +3458,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
         a.fz_trans = (float *)base;
         a.fz_start = (float *)(((uintptr_t)base + bt + 255) & ~(uintptr_t)255);
         a.fz_mode = 1; /* segment transitions */
-        grid[0] = (unsigned)(N * ns); grid[1] = (unsigned)p->HV; grid[2] = (unsigned)(nvb + (p->K + kf->bv - 1) / kf->bv);
+        grid[0] = (unsigned)(N * ns); grid[1] = (unsigned)p->HV; grid[2] = (unsigned)(nvb + kda__fused_kblocks(kf, p));
         if ((s = ctx->dev->launch(ctx, kf, grid, &a))) goto done;
         grid[0] = (unsigned)N; grid[2] = (unsigned)((p->V + 15) / 16);
         if ((s = ctx->dev->launch(ctx, kc, grid, &a))) goto done;
@@ -3468,6 +3473,7 @@ done:
 
 kda_status kda_chunk_fwd(kda_context *ctx, const kda_problem *p, const kda_inputs *in, const kda_fwd_outputs *out) {
     kda__cpu c;
+    const kda__kdesc *kf;
     kda_work w;
     void *ws = NULL;
     int owned = 0;
@@ -3479,8 +3485,8 @@ kda_status kda_chunk_fwd(kda_context *ctx, const kda_problem *p, const kda_input
     memset(&w, 0, sizeof w);
     if (!out || !out->o) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "outputs: o is required");
     if ((s = kda__call_begin(ctx, &c, p, in, &w, 1))) return s;
-    if (kda__fused_wanted(ctx, p, out)) {
-        s = kda__fused_fwd(ctx, &c, p, out);
+    if ((kf = kda__fused_wanted(ctx, p, out))) {
+        s = kda__fused_fwd(ctx, &c, p, out, kf);
         goto done;
     }
     tb = kda__tables_size(p);

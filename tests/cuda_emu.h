@@ -124,10 +124,10 @@ inline void kda_emu_mma16816(float d[4], const uint32_t a[4], const uint32_t b[2
     for (int i = 0; i < 4; i++) d[i] = out[i];
 }
 
-// cp.async of 16 bytes needs 16-byte aligned shared and global addresses
+// cp.async of 16 bytes and ldmatrix rows need 16-byte aligned addresses
 inline void kda_emu_check_align16(const void *dst, const void *src) {
     if (((uintptr_t)dst | (uintptr_t)src) & 15) {
-        fprintf(stderr, "cuda_emu: cp.async of 16 bytes at misaligned %p <- %p\n", dst, src);
+        fprintf(stderr, "cuda_emu: 16-byte access (cp.async, ldmatrix) at misaligned %p <- %p\n", dst, src);
         abort();
     }
 }
