@@ -3379,6 +3379,13 @@ static const kda__kdesc *kda__fused_wanted(kda_context *ctx, const kda_problem *
     int optin;
     if (!kda__on_device(ctx) || out->h || out->saved || !kda__fused_shape(p) || (env && env[0] == '0')) return NULL;
     k = kda__kernel_find(ctx, KDA__STAGE_FWD_FUSED, p);
+    if (k && (env = getenv("KDA_FUSED_BV")) != NULL) { /* tuning: force the value tile */
+        int i;
+        for (i = 0; i < KDA__NUM_KERNELS; i++) {
+            const kda__kdesc *o = &kda__kernels[i];
+            if (!strcmp(o->stage, k->stage) && o->dtype == k->dtype && o->bk == k->bk && o->bv == atoi(env)) k = o;
+        }
+    }
     optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
     ctx->err[0] = 0; /* a missing variant is not an error here: the staged path runs */
     if (k && optin > 0 && k->smem > optin) {
