@@ -3380,10 +3380,10 @@ static const kda__kdesc *kda__fused_wanted(kda_context *ctx, const kda_problem *
     if (!kda__on_device(ctx) || out->h || out->saved || !kda__fused_shape(p) || (env && env[0] == '0')) return NULL;
     k = kda__kernel_find(ctx, KDA__STAGE_FWD_FUSED, p);
     if (k && (env = getenv("KDA_FUSED_BV")) != NULL) { /* tuning: force the value tile */
-        int i;
+        int i, bv = atoi(env);
         for (i = 0; i < KDA__NUM_KERNELS; i++) {
             const kda__kdesc *o = &kda__kernels[i];
-            if (!strcmp(o->stage, k->stage) && o->dtype == k->dtype && o->bk == k->bk && o->bv == atoi(env)) k = o;
+            if (!strcmp(o->stage, k->stage) && o->dtype == k->dtype && o->bk == k->bk && o->bv == bv) k = o;
         }
     }
     optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
