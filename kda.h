@@ -3111,7 +3111,8 @@ static int kda__fused_shape(const kda_problem *p) {
     return p->dtype != KDA_F32 && p->K <= 128;
 }
 
-/* Indices of the kernels a forward, backward and decode of p use. */
+/* Indices of the kernels a forward, backward and decode of p use (the fused forward's
+ * with each value tile: kda__fused_variant picks one by the sequence lengths). */
 int kda_kernels_needed(kda_context *ctx, const kda_problem *p, int *idx, int max) {
     /* the fused forward's two stages last: problems it does not cover leave them out */
     static const int stages[] = {0, 1, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15, 16, 17, 20, 21, 7, 8};
@@ -3123,9 +3124,16 @@ int kda_kernels_needed(kda_context *ctx, const kda_problem *p, int *idx, int max
     if (!kda__fused_shape(p)) ns -= 2;
     for (i = 0; i < ns; i++) {
         const kda__kdesc *k = kda__kernel_find(ctx, stages[i], p);
+        int j;
         if (!k) return -1;
         if (n < max && idx) idx[n] = (int)(k - kda__kernels);
         n++;
+        for (j = 0; stages[i] == KDA__STAGE_FWD_FUSED && j < KDA__NUM_KERNELS; j++) { /* its other value tiles */
+            const kda__kdesc *o = &kda__kernels[j];
+            if (o == k || strcmp(o->stage, k->stage) || o->dtype != k->dtype || o->bk != k->bk) continue;
+            if (n < max && idx) idx[n] = j;
+            n++;
+        }
     }
     return n;
 }
@@ -3401,33 +3409,59 @@ static const kda__kdesc *kda__fused_wanted(kda_context *ctx, const kda_problem *
 static long long kda__fused_vblocks(const kda__kdesc *k, const kda_problem *p) { return (p->V + k->bv - 1) / k->bv; }
 static long long kda__fused_kblocks(const kda__kdesc *k, const kda_problem *p) { return (p->K + k->bv - 1) / k->bv; }
 
-/* Segments per sequence. A split into ns segments runs a transition pass of
- * (ns - 1) * N * HV * (V + K column blocks) blocks and an output pass of
- * ns * N * HV * (V blocks), each 1/ns of the sequence long, with one block per
- * multiprocessor (the fused kernel's registers allow no more): time ~ (waves of
- * the first + waves of the second) * (nch / ns + 12), where 12 chunks stand for
- * a segment's fixed costs (state in and out, the combine), fitted to an H100 sweep
- * of 1..16 segments whose best splits it picks (B1 T8192 H32: 3, B1 T65536 H16:
- * 8; B8 T4096 H16 and B2 T8192 H16 V256: 1). Segments keep at least
- * 8 chunks, ties go to fewer segments, varlen batches are not split, and
- * KDA_SEGMENTS=n forces n (tests, tuning). */
-static long long kda__fused_segments(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, long long nch) {
+/* Segments per sequence for fwd_fused kernel kf, and the model's time for them (in
+ * chunks of kf). A split into ns > 1 segments runs a transition pass of
+ * N * HV * (V column blocks) for segment 0 (its output and end state) and
+ * (ns - 2) * N * HV * (V + K column blocks) for the segments between, then an output
+ * pass of (ns - 1) * N * HV * (V blocks), each 1/ns of the sequence long, with one
+ * block per multiprocessor (the fused kernel's registers allow no more): time ~
+ * (waves of the first + waves of the second) * (nch / ns + 12), where 12 chunks stand
+ * for a segment's fixed costs (state in and out, the combine), fitted to an H100
+ * sweep of 1..16 segments. Segments keep at least 8 chunks, ties go to fewer
+ * segments, varlen batches are not split, and KDA_SEGMENTS=n forces n (tests, tuning). */
+static long long kda__fused_segments(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, long long nch,
+                                     double *time) {
     const char *env = getenv("KDA_SEGMENTS");
     long long nvb = kda__fused_vblocks(kf, p), nkb = kda__fused_kblocks(kf, p), heads = (long long)p->B * p->HV;
-    long long ns = env ? atoi(env) : 0, best = 1, i;
+    long long ns = env ? atoi(env) : 0, best = 1, i, lo = 1, hi = 64;
     int sms = ctx->dev->sm_count ? ctx->dev->sm_count(ctx) : 0;
     double best_t = 0.0;
-    if (ns <= 0 && (p->num_seqs > 0 || sms <= 0)) return 1;
-    if (ns <= 0) { /* automatic */
-        for (i = 1; i <= 64 && i <= (nch + 7) / 8; i++) {
-            long long w1 = ((i - 1) * heads * (nvb + nkb) + sms - 1) / sms, w0 = (i * heads * nvb + sms - 1) / sms;
-            double t = (double)(w1 + w0) * ((double)nch / (double)i + 12.0);
-            if (i == 1 || t < best_t * 0.97) best = i, best_t = t;
-        }
-        ns = best;
+    if (sms <= 0) sms = 1;
+    if (p->num_seqs > 0 && ns <= 0) ns = 1;
+    if (ns > 0) lo = hi = ns > nch ? nch : ns; /* forced: its time only */
+    for (i = lo; i <= hi && (i == lo || i <= (nch + 7) / 8); i++) {
+        long long b1 = i > 1 ? heads * nvb + (i - 2) * heads * (nvb + nkb) : 0, b0 = (i > 1 ? i - 1 : 1) * heads * nvb;
+        long long w1 = (b1 + sms - 1) / sms, w0 = (b0 + sms - 1) / sms;
+        double t = (double)(w1 + w0) * ((double)nch / (double)i + 12.0);
+        if (i == lo || t < best_t * 0.97) best = i, best_t = t;
     }
-    if (ns > nch) ns = nch;
-    return ns < 1 ? 1 : ns;
+    if (time) *time = best_t;
+    return best < 1 ? 1 : best;
+}
+
+/* A chunk's time in fwd_fused kernel k relative to the 128-column kernel: the 64-column
+ * one (one state warpgroup, 384 threads, no register limit) takes 1.56 us a chunk on an
+ * H100 where the 128-column one takes 1.94 (B1 T8192 H32, unsplit, 2026-11-22). */
+static double kda__fused_chunk_cost(const kda__kdesc *k) { return k->bv <= 64 ? 0.8 : 1.0; }
+
+/* The value tile: kf (kda__fused_wanted's pick) or a sibling with another, where the
+ * model says it is faster (B2 T8192 H16 V256: 64 columns fill the GPU with 128 blocks
+ * where 128 columns give 64). KDA_FUSED_BV forces kf. */
+static const kda__kdesc *kda__fused_variant(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, long long nch) {
+    const kda__kdesc *best = kf;
+    double t, best_t;
+    int i, optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
+    if (getenv("KDA_FUSED_BV")) return kf;
+    kda__fused_segments(ctx, p, kf, nch, &best_t);
+    best_t *= kda__fused_chunk_cost(kf);
+    for (i = 0; i < KDA__NUM_KERNELS; i++) {
+        const kda__kdesc *o = &kda__kernels[i];
+        if (o == kf || strcmp(o->stage, kf->stage) || o->dtype != kf->dtype || o->bk != kf->bk) continue;
+        if (optin > 0 && o->smem > optin) continue;
+        kda__fused_segments(ctx, p, o, nch, &t);
+        if (t * kda__fused_chunk_cost(o) < best_t) best = o, best_t = t * kda__fused_chunk_cost(o);
+    }
+    return best;
 }
 
 static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_problem *p, const kda_fwd_outputs *out,
@@ -3441,12 +3475,13 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     kda__kparams a;
     kda_status s;
     if (!kc) return KDA_ERROR_UNSUPPORTED;
-    nvb = kda__fused_vblocks(kf, p);
     for (i = 0; i < N; i++)
         if (c->s.len[i] > maxlen) maxlen = c->s.len[i];
     if (maxlen == 0) return KDA_OK;
     nch = (maxlen + 15) / 16;
-    ns = kda__fused_segments(ctx, p, kf, nch);
+    kf = kda__fused_variant(ctx, p, kf, nch);
+    nvb = kda__fused_vblocks(kf, p);
+    ns = kda__fused_segments(ctx, p, kf, nch, NULL);
     sc = (nch + ns - 1) / ns;
     ns = (nch + sc - 1) / sc; /* no empty segment */
     if (ns > 1) {

@@ -412,7 +412,8 @@ static std::vector<Cfg> fused_configs() {
     v.push_back({"fused_B2_T63_K60_V36_bf16g_unaligned_rows", p, {}, 1, 0});
     return v;
 }
-static void run_fused(const Cfg &cf, const char *segments, bool wide_gate) {
+// (bv: the value tile, KDA_FUSED_BV; the automatic choice takes 64 on problems this small)
+static void run_fused(const Cfg &cf, const char *segments, bool wide_gate, const char *bv) {
     kda_context *cpu = t_cpu();
     t_inst I;
     t_current = "fused";
@@ -430,6 +431,7 @@ static void run_fused(const Cfg &cf, const char *segments, bool wide_gate) {
     Out o, ht, os;
     o.init(I.nv * es); ht.init(nst * 4); os.init(I.nv * es);
     setenv("KDA_SEGMENTS", segments, 1);
+    setenv("KDA_FUSED_BV", bv, 1);
 #ifdef KDA_TEST_EMU
     const int before = emu_fused;
 #endif
@@ -448,15 +450,16 @@ static void run_fused(const Cfg &cf, const char *segments, bool wide_gate) {
     }
     unsetenv("KDA_FUSED");
     unsetenv("KDA_SEGMENTS");
+    unsetenv("KDA_FUSED_BV");
 #ifdef KDA_TEST_EMU
     CHECK(emu_fused > before, "%s: the fused kernel did not run", cf.name);
 #endif
     o.fetch(); ht.fetch(); os.fetch();
     const double eo = err_t(o.c.data(), o.h.data(), I.nv, p.dtype), eh = err_f((float *)ht.c.data(), (float *)ht.h.data(), nst);
-    CHECK(eo <= 1e-2, "%s (segments %s): o error %.3g", cf.name, segments, eo);
-    CHECK(eh <= 1e-2, "%s (segments %s): ht error %.3g", cf.name, segments, eh);
+    CHECK(eo <= 1e-2, "%s (segments %s, bv %s): o error %.3g", cf.name, segments, bv, eo);
+    CHECK(eh <= 1e-2, "%s (segments %s, bv %s): ht error %.3g", cf.name, segments, bv, eh);
     CHECK(memcmp(o.h.data(), os.h.data(), I.nv * es) != 0, "%s: fused o equals the staged o bit for bit", cf.name);
-    printf("  %s segments=%s: o %.2e ht %.2e\n", cf.name, segments, eo, eh);
+    printf("  %s segments=%s bv=%s: o %.2e ht %.2e\n", cf.name, segments, bv, eo, eh);
     dfree_all();
     t_inst_free(&I);
     kda_context_destroy(cpu);
@@ -674,8 +677,9 @@ int main(int argc, char **argv) {
     if (want("fused")) {
         for (const Cfg &cf : fused_configs()) {
             const bool wide = strstr(cf.name, "wide") != NULL;
-            run_fused(cf, "1", wide);
-            if (!cf.p.num_seqs && !wide) run_fused(cf, "3", false);
+            run_fused(cf, "1", wide, "64");
+            run_fused(cf, "1", wide, "128");
+            if (!cf.p.num_seqs && !wide) run_fused(cf, "2", false, "64"), run_fused(cf, "3", false, "128");
         }
 #ifdef KDA_TEST_EMU
         run_fused_declines_without_shared_memory(fused_configs()[0]);
