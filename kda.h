@@ -3418,16 +3418,19 @@ static long long kda__fused_kblocks(const kda__kdesc *k, const kda_problem *p) {
  * (waves of the first + waves of the second) * (nch / ns + 12), where 12 chunks stand
  * for a segment's fixed costs (state in and out, the combine), fitted to an H100
  * sweep of 1..16 segments. Segments keep at least 8 chunks, ties go to fewer
- * segments, varlen batches are not split, and KDA_SEGMENTS=n forces n (tests, tuning). */
+ * segments, and KDA_SEGMENTS=n forces n (tests, tuning). Varlen batches are not split,
+ * and their time is taken as if every sequence had the longest one's nch chunks: a long
+ * sequence's blocks may start in the last wave (B2 T8192 H16 V256: 64 columns 0.80 ms
+ * against 0.99; varlen N8 T32768, longest 11055 tokens: 1.47 against 1.28). */
 static long long kda__fused_segments(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, long long nch,
-                                     double *time) {
+                                     long long nseq, double *time) {
     const char *env = getenv("KDA_SEGMENTS");
-    long long nvb = kda__fused_vblocks(kf, p), nkb = kda__fused_kblocks(kf, p), heads = (long long)p->B * p->HV;
+    long long nvb = kda__fused_vblocks(kf, p), nkb = kda__fused_kblocks(kf, p), heads = nseq * p->HV;
     long long ns = env ? atoi(env) : 0, best = 1, i, lo = 1, hi = 64;
     int sms = ctx->dev->sm_count ? ctx->dev->sm_count(ctx) : 0;
     double best_t = 0.0;
     if (sms <= 0) sms = 1;
-    if (p->num_seqs > 0 && ns <= 0) ns = 1;
+    if (p->num_seqs > 0) ns = 1;
     if (ns > 0) lo = hi = ns > nch ? nch : ns; /* forced: its time only */
     for (i = lo; i <= hi && (i == lo || i <= (nch + 7) / 8); i++) {
         long long b1 = i > 1 ? heads * nvb + (i - 2) * heads * (nvb + nkb) : 0, b0 = (i > 1 ? i - 1 : 1) * heads * nvb;
@@ -3447,18 +3450,19 @@ static double kda__fused_chunk_cost(const kda__kdesc *k) { return k->bv <= 64 ? 
 /* The value tile: kf (kda__fused_wanted's pick) or a sibling with another, where the
  * model says it is faster (B2 T8192 H16 V256: 64 columns fill the GPU with 128 blocks
  * where 128 columns give 64). KDA_FUSED_BV forces kf. */
-static const kda__kdesc *kda__fused_variant(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, long long nch) {
+static const kda__kdesc *kda__fused_variant(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, long long nch,
+                                            long long nseq) {
     const kda__kdesc *best = kf;
     double t, best_t;
     int i, optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
     if (getenv("KDA_FUSED_BV")) return kf;
-    kda__fused_segments(ctx, p, kf, nch, &best_t);
+    kda__fused_segments(ctx, p, kf, nch, nseq, &best_t);
     best_t *= kda__fused_chunk_cost(kf);
     for (i = 0; i < KDA__NUM_KERNELS; i++) {
         const kda__kdesc *o = &kda__kernels[i];
         if (o == kf || strcmp(o->stage, kf->stage) || o->dtype != kf->dtype || o->bk != kf->bk) continue;
         if (optin > 0 && o->smem > optin) continue;
-        kda__fused_segments(ctx, p, o, nch, &t);
+        kda__fused_segments(ctx, p, o, nch, nseq, &t);
         if (t * kda__fused_chunk_cost(o) < best_t) best = o, best_t = t * kda__fused_chunk_cost(o);
     }
     return best;
@@ -3479,9 +3483,9 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
         if (c->s.len[i] > maxlen) maxlen = c->s.len[i];
     if (maxlen == 0) return KDA_OK;
     nch = (maxlen + 15) / 16;
-    kf = kda__fused_variant(ctx, p, kf, nch);
+    kf = kda__fused_variant(ctx, p, kf, nch, N);
     nvb = kda__fused_vblocks(kf, p);
-    ns = kda__fused_segments(ctx, p, kf, nch, NULL);
+    ns = kda__fused_segments(ctx, p, kf, nch, N, NULL);
     sc = (nch + ns - 1) / ns;
     ns = (nch + sc - 1) / sc; /* no empty segment */
     if (ns > 1) {
