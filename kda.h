@@ -3111,6 +3111,11 @@ static int kda__fused_shape(const kda_problem *p) {
     return p->dtype != KDA_F32 && p->K <= 128;
 }
 
+/* fwd_fused kernels a and b differ at most in their value tile */
+static int kda__fused_sibling(const kda__kdesc *a, const kda__kdesc *b) {
+    return !strcmp(a->stage, b->stage) && a->dtype == b->dtype && a->bk == b->bk;
+}
+
 /* Indices of the kernels a forward, backward and decode of p use (the fused forward's
  * with each value tile: kda__fused_variant picks one by the sequence lengths). */
 int kda_kernels_needed(kda_context *ctx, const kda_problem *p, int *idx, int max) {
@@ -3130,7 +3135,7 @@ int kda_kernels_needed(kda_context *ctx, const kda_problem *p, int *idx, int max
         n++;
         for (j = 0; stages[i] == KDA__STAGE_FWD_FUSED && j < KDA__NUM_KERNELS; j++) { /* its other value tiles */
             const kda__kdesc *o = &kda__kernels[j];
-            if (o == k || strcmp(o->stage, k->stage) || o->dtype != k->dtype || o->bk != k->bk) continue;
+            if (o == k || !kda__fused_sibling(o, k)) continue;
             if (n < max && idx) idx[n] = j;
             n++;
         }
@@ -3391,7 +3396,7 @@ static const kda__kdesc *kda__fused_wanted(kda_context *ctx, const kda_problem *
         int i, bv = atoi(env);
         for (i = 0; i < KDA__NUM_KERNELS; i++) {
             const kda__kdesc *o = &kda__kernels[i];
-            if (!strcmp(o->stage, k->stage) && o->dtype == k->dtype && o->bk == k->bk && o->bv == bv) k = o;
+            if (kda__fused_sibling(o, k) && o->bv == bv) k = o;
         }
     }
     optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
@@ -3439,7 +3444,7 @@ static long long kda__fused_segments(kda_context *ctx, const kda_problem *p, con
         if (i == lo || t < best_t * 0.97) best = i, best_t = t;
     }
     if (time) *time = best_t;
-    return best < 1 ? 1 : best;
+    return best;
 }
 
 /* A chunk's time in fwd_fused kernel k relative to the 128-column kernel: the 64-column
@@ -3460,7 +3465,7 @@ static const kda__kdesc *kda__fused_variant(kda_context *ctx, const kda_problem 
     best_t *= kda__fused_chunk_cost(kf);
     for (i = 0; i < KDA__NUM_KERNELS; i++) {
         const kda__kdesc *o = &kda__kernels[i];
-        if (o == kf || strcmp(o->stage, kf->stage) || o->dtype != kf->dtype || o->bk != kf->bk) continue;
+        if (o == kf || !kda__fused_sibling(o, kf)) continue;
         if (optin > 0 && o->smem > optin) continue;
         kda__fused_segments(ctx, p, o, nch, nseq, &t);
         if (t * kda__fused_chunk_cost(o) < best_t) best = o, best_t = t * kda__fused_chunk_cost(o);
