@@ -3414,35 +3414,82 @@ static const kda__kdesc *kda__fused_wanted(kda_context *ctx, const kda_problem *
 static long long kda__fused_vblocks(const kda__kdesc *k, const kda_problem *p) { return (p->V + k->bv - 1) / k->bv; }
 static long long kda__fused_kblocks(const kda__kdesc *k, const kda_problem *p) { return (p->K + k->bv - 1) / k->bv; }
 
-/* Segments per sequence for fwd_fused kernel kf, and the model's time for them (in
- * chunks of kf). A split into ns > 1 segments runs a transition pass of
- * N * HV * (V column blocks) for segment 0 (its output and end state) and
- * (ns - 2) * N * HV * (V + K column blocks) for the segments between, then an output
- * pass of (ns - 1) * N * HV * (V blocks), each 1/ns of the sequence long, with one
- * block per multiprocessor (the fused kernel's registers allow no more): time ~
- * (waves of the first + waves of the second) * (nch / ns + 12), where 12 chunks stand
- * for a segment's fixed costs (state in and out, the combine), fitted to an H100
- * sweep of 1..16 segments. Segments keep at least 8 chunks, ties go to fewer
- * segments, and KDA_SEGMENTS=n forces n (tests, tuning). Varlen batches are not split,
- * and their time is taken as if every sequence had the longest one's nch chunks: a long
- * sequence's blocks may start in the last wave (B2 T8192 H16 V256: 64 columns 0.80 ms
- * against 0.99; varlen N8 T32768, longest 11055 tokens: 1.47 against 1.28). */
-static long long kda__fused_segments(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, long long nch,
+/* The time of one launch in the segment model: nb kinds of blocks (chunks + 12 each,
+ * count) on sms multiprocessors, one block each: the greater of the work per
+ * multiprocessor and, for every j, j + 1 times the (j sms + 1)-th longest block (some
+ * multiprocessor runs j + 1 of the j sms + 1 longest). A lower bound of any schedule's
+ * end, which is (waves) * (length) for blocks of one length. */
+typedef struct {
+    double d;
+    long long n;
+} kda__blocks;
+static int kda__blocks_longer(const void *a, const void *b) {
+    double x = ((const kda__blocks *)a)->d, y = ((const kda__blocks *)b)->d;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+static double kda__launch_time(kda__blocks *b, long long nb, int sms) {
+    double work = 0.0, t = 0.0;
+    long long i, seen = 0, j = 0;
+    qsort(b, (size_t)nb, sizeof *b, kda__blocks_longer);
+    for (i = 0; i < nb; i++) {
+        work += b[i].d * (double)b[i].n;
+        for (seen += b[i].n; j * sms < seen; j++) /* the (j sms + 1)-th longest is one of these */
+            t = (double)(j + 1) * b[i].d > t ? (double)(j + 1) * b[i].d : t;
+    }
+    return work / sms > t ? work / sms : t;
+}
+
+/* Segments of the longest sequence for fwd_fused kernel kf, and the model's time for
+ * them (in chunks of kf). Segments are sc = ceil(maxnch / ns) chunks long; a sequence of
+ * nch chunks has s = ceil(nch / sc) of them (at least 1). A split (ns > 1) runs a
+ * transition pass of, per split sequence and value head, segment 0 (its output and end
+ * state) and the segments between the first and the last (V and K column blocks), then
+ * an output pass of the other segments and the unsplit sequences (V blocks; short
+ * sequences there leave the transition pass to the long ones), one block per
+ * multiprocessor (the fused kernel's registers allow no more), each pass timed by
+ * kda__launch_time. A block takes its chunks + 12, where 12 chunks stand for a segment's
+ * fixed costs (state in and out, the combine), fitted to an H100 sweep of 1..16 segments
+ * of fixed-length batches. Segments keep at least 8 chunks, a split stops where its
+ * blocks pass 4 waves, ties go to fewer segments, and KDA_SEGMENTS=n forces n (tests,
+ * tuning). */
+static long long kda__fused_segments(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const long long *len,
                                      long long nseq, double *time) {
     const char *env = getenv("KDA_SEGMENTS");
-    long long nvb = kda__fused_vblocks(kf, p), nkb = kda__fused_kblocks(kf, p), heads = nseq * p->HV;
-    long long ns = env ? atoi(env) : 0, best = 1, i, lo = 1, hi = 64;
+    long long nvb = kda__fused_vblocks(kf, p), nkb = kda__fused_kblocks(kf, p), maxnch = 0, HV = p->HV;
+    long long ns = env ? atoi(env) : 0, best = 1, i, n, lo = 1, hi = 64;
     int sms = ctx->dev->sm_count ? ctx->dev->sm_count(ctx) : 0;
     double best_t = 0.0;
+    kda__blocks *b1 = (kda__blocks *)kda__alloc(ctx, sizeof(kda__blocks) * 4 * (size_t)(nseq > 0 ? nseq : 1)), *b0;
+    if (!b1) { /* no model: unsplit */
+        if (time) *time = 1.0;
+        return 1;
+    }
+    b0 = b1 + 2 * nseq;
     if (sms <= 0) sms = 1;
-    if (p->num_seqs > 0) ns = 1;
-    if (ns > 0) lo = hi = ns > nch ? nch : ns; /* forced: its time only */
-    for (i = lo; i <= hi && (i == lo || i <= (nch + 7) / 8); i++) {
-        long long b1 = i > 1 ? heads * nvb + (i - 2) * heads * (nvb + nkb) : 0, b0 = (i > 1 ? i - 1 : 1) * heads * nvb;
-        long long w1 = (b1 + sms - 1) / sms, w0 = (b0 + sms - 1) / sms;
-        double t = (double)(w1 + w0) * ((double)nch / (double)i + 12.0);
+    for (n = 0; n < nseq; n++)
+        if ((len[n] + 15) / 16 > maxnch) maxnch = (len[n] + 15) / 16;
+    if (ns > 0) lo = hi = ns > maxnch ? (maxnch > 0 ? maxnch : 1) : ns; /* forced: its time only */
+    for (i = lo; i <= hi && (i == lo || i <= (maxnch + 7) / 8); i++) {
+        long long sc = (maxnch + i - 1) / i, n1 = 0, n0 = 0, blocks = 0;
+        double t;
+        if (sc < 1) sc = 1;
+        for (n = 0; n < nseq; n++) {
+            long long nch = (len[n] + 15) / 16, sn = (nch + sc - 1) / sc;
+            if (sn <= 1) { /* unsplit: the output pass alone */
+                b0[n0].d = (double)nch + 12.0, b0[n0++].n = nvb * HV;
+                blocks += nvb * HV;
+                continue;
+            }
+            b1[n1].d = (double)sc + 12.0, b1[n1++].n = (nvb + (sn - 2) * (nvb + nkb)) * HV; /* segment 0, the middle */
+            b0[n0].d = (double)(nch - (sn - 1) * sc) + 12.0, b0[n0++].n = nvb * HV;        /* the last */
+            if (sn > 2) b0[n0].d = (double)sc + 12.0, b0[n0++].n = (sn - 2) * nvb * HV;  /* the middle */
+            blocks += (2 * nvb + (sn - 2) * (2 * nvb + nkb)) * HV;
+        }
+        if (i > lo && blocks > 4LL * sms) break; /* more segments only add work */
+        t = kda__launch_time(b1, n1, sms) + kda__launch_time(b0, n0, sms);
         if (i == lo || t < best_t * 0.97) best = i, best_t = t;
     }
+    kda__free(ctx, b1);
     if (time) *time = best_t;
     return best;
 }
@@ -3455,19 +3502,19 @@ static double kda__fused_chunk_cost(const kda__kdesc *k) { return k->bv <= 64 ? 
 /* The value tile: kf (kda__fused_wanted's pick) or a sibling with another, where the
  * model says it is faster (B2 T8192 H16 V256: 64 columns fill the GPU with 128 blocks
  * where 128 columns give 64). KDA_FUSED_BV forces kf. */
-static const kda__kdesc *kda__fused_variant(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, long long nch,
-                                            long long nseq) {
+static const kda__kdesc *kda__fused_variant(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf,
+                                            const long long *len, long long nseq) {
     const kda__kdesc *best = kf;
     double t, best_t;
     int i, optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
     if (getenv("KDA_FUSED_BV")) return kf;
-    kda__fused_segments(ctx, p, kf, nch, nseq, &best_t);
+    kda__fused_segments(ctx, p, kf, len, nseq, &best_t);
     best_t *= kda__fused_chunk_cost(kf);
     for (i = 0; i < KDA__NUM_KERNELS; i++) {
         const kda__kdesc *o = &kda__kernels[i];
         if (o == kf || !kda__fused_sibling(o, kf)) continue;
         if (optin > 0 && o->smem > optin) continue;
-        kda__fused_segments(ctx, p, o, nch, nseq, &t);
+        kda__fused_segments(ctx, p, o, len, nseq, &t);
         if (t * kda__fused_chunk_cost(o) < best_t) best = o, best_t = t * kda__fused_chunk_cost(o);
     }
     return best;
@@ -3488,11 +3535,12 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
         if (c->s.len[i] > maxlen) maxlen = c->s.len[i];
     if (maxlen == 0) return KDA_OK;
     nch = (maxlen + 15) / 16;
-    kf = kda__fused_variant(ctx, p, kf, nch, N);
+    kf = kda__fused_variant(ctx, p, kf, c->s.len, N);
     nvb = kda__fused_vblocks(kf, p);
-    ns = kda__fused_segments(ctx, p, kf, nch, N, NULL);
+    ns = kda__fused_segments(ctx, p, kf, c->s.len, N, NULL);
     sc = (nch + ns - 1) / ns;
     ns = (nch + sc - 1) / sc; /* no empty segment */
+    kda__log(ctx, "%s: %lld segment(s) of %lld chunks", kf->name, ns, sc);
     if (ns > 1) {
         bt = (size_t)N * ns * p->HV * (p->V + p->K) * p->K * sizeof(float);
         bs = (size_t)N * ns * p->HV * p->V * p->K * sizeof(float);

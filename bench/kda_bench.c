@@ -565,6 +565,7 @@ static void gpu_error_line(const char *op, const shape *s, const char *extra)
 
 static const char *g_ops = "fwd,bwd,decode"; /* --ops: which GPU operations to time */
 static shape g_shape;                        /* --shape B,T,H,K,V: this one instead of the table */
+static int32_t g_cu[257];                     /* --seqlens: its varlen batch (B = 1, T = the sum) */
 
 static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double peak_gbps)
 {
@@ -985,6 +986,7 @@ static int usage(void)
 {
     fprintf(stderr, "usage: kda-bench --device cpu|gpu [--reps N] [--threads N] [--peak-gbps X] [--ops fwd,bwd,decode]\n"
                     "                 [--shape B,T,H,K,V]   (gpu: this shape instead of ANCHORS.md's)\n"
+                    "                 [--seqlens L1,L2,..]  (with --shape 1,T,H,K,V: a varlen batch of these lengths)\n"
                     "       kda-bench --jit [--arch sm_90a] [--threads N]\n");
     return 1;
 }
@@ -1009,10 +1011,25 @@ int main(int argc, char **argv)
             if (sscanf(val, "%d,%d,%d,%d,%d", &g->B, &g->T, &g->H, &g->K, &g->V) != 5 || g->B < 1 || g->T < 1 ||
                 g->H < 1 || g->K < 1 || g->V < 1)
                 return usage();
+        } else if (!strcmp(a, "--seqlens")) {
+            int n = 0, len, used;
+            for (const char *c = val; n < 256 && sscanf(c, "%d%n", &len, &used) == 1 && len >= 0; n++) {
+                g_cu[n + 1] = g_cu[n] + len;
+                c += used;
+                if (*c != ',') { n++; break; }
+                c++;
+            }
+            if (n < 1 || g_cu[n] < 1) return usage();
+            g_shape.cu_seqlens = g_cu;
+            g_shape.num_seqs = n;
         } else return usage();
         i++;
     }
     if (reps < 0 || threads < 0 || !(peak_gbps > 0)) return usage();
+    if (g_shape.num_seqs) { /* the lengths set T */
+        if (g_shape.B != 1) return usage();
+        g_shape.T = g_cu[g_shape.num_seqs];
+    }
 
     if (jit) return bench_jit(arch, threads);
     if (!strcmp(device, "gpu")) return bench_gpu(reps ? reps : 10, peak_gbps);

@@ -679,7 +679,7 @@ int main(int argc, char **argv) {
             const bool wide = strstr(cf.name, "wide") != NULL;
             run_fused(cf, "1", wide, "64");
             run_fused(cf, "1", wide, "128");
-            if (!cf.p.num_seqs && !wide) run_fused(cf, "2", false, "64"), run_fused(cf, "3", false, "128");
+            if (!wide) run_fused(cf, "2", false, "64"), run_fused(cf, "3", false, "128"); // varlen: sequences of 1, 2 and 3 segments, an empty one
         }
 #ifdef KDA_TEST_EMU
         run_fused_declines_without_shared_memory(fused_configs()[0]);
