@@ -3384,8 +3384,10 @@ static kda_status kda__run_stages(kda_context *ctx, kda__cpu *c, int first, int 
 /* ---- the fused forward (templates/fwd_fused.cu.j2): one kernel for o and ht */
 
 /* The fused forward's kernel where it covers the problem and fits the device, else
- * NULL (the staged kernels run). Its shared memory (up to 161 KB for K > 64) exceeds
- * what some GPUs give a block (about 99 KB on sm_86/sm_89); KDA_LOG=1 says so. */
+ * NULL (the staged kernels run). Its shared memory (153 KB with K > 64 and 128 value
+ * columns, 221 KB with 64) exceeds what some GPUs give a block (about 99 KB on
+ * sm_86/sm_89, 163 KB on sm_80): a value tile that fits is taken, else KDA_LOG=1 says
+ * why none runs. */
 static const kda__kdesc *kda__fused_wanted(kda_context *ctx, const kda_problem *p, const kda_fwd_outputs *out) {
     const char *env = getenv("KDA_FUSED");
     const kda__kdesc *k;
@@ -3401,6 +3403,13 @@ static const kda__kdesc *kda__fused_wanted(kda_context *ctx, const kda_problem *
     }
     optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
     ctx->err[0] = 0; /* a missing variant is not an error here: the staged path runs */
+    if (k && optin > 0 && k->smem > optin && !getenv("KDA_FUSED_BV")) { /* a sibling that fits */
+        int i;
+        for (i = 0; i < KDA__NUM_KERNELS; i++) {
+            const kda__kdesc *o = &kda__kernels[i];
+            if (kda__fused_sibling(o, k) && o->smem <= optin) k = o;
+        }
+    }
     if (k && optin > 0 && k->smem > optin) {
         kda__log(ctx, "%s needs %d bytes of shared memory, the device gives a block %d: staged forward", k->name,
                  k->smem, optin);
@@ -3495,8 +3504,9 @@ static long long kda__fused_segments(kda_context *ctx, const kda_problem *p, con
 }
 
 /* A chunk's time in fwd_fused kernel k relative to the 128-column kernel: the 64-column
- * one (one state warpgroup, 384 threads, no register limit) takes 1.56 us a chunk on an
- * H100 where the 128-column one takes 1.94 (B1 T8192 H32, unsplit, 2026-11-22). */
+ * one took 1.56 us a chunk on an H100 where the 128-column one takes 1.94 (B1 T8192 H32,
+ * unsplit, 2026-11-22, with two factor groups; three make it faster yet, and the model's
+ * choices on the ANCHORS shapes stayed the fastest measured). */
 static double kda__fused_chunk_cost(const kda__kdesc *k) { return k->bv <= 64 ? 0.8 : 1.0; }
 
 /* The value tile: kf (kda__fused_wanted's pick) or a sibling with another, where the

@@ -44,9 +44,9 @@ static kda_status emu_copy(kda_context *, void *dst, const void *src, size_t byt
     return KDA_OK;
 }
 static kda_status emu_fill(kda_context *, void *dst, int byte, size_t bytes) { memset(dst, byte, bytes); return KDA_OK; }
-static int emu_launches, emu_fused;
+static int emu_launches, emu_fused, emu_fused_bv; // fused launches, the last one's value tile
 static kda_status emu_launch(kda_context *ctx, const kda__kdesc *k, const unsigned grid[3], const kda__kparams *a) {
-    if (!strcmp(k->stage, "fwd_fused")) emu_fused++;
+    if (!strcmp(k->stage, "fwd_fused")) emu_fused++, emu_fused_bv = k->bv;
     for (const kda_emu_kernel &e : kda_emu_kernels)
         if (!strcmp(e.name, k->name)) {
             kda_emu_dim3 g;
@@ -466,8 +466,31 @@ static void run_fused(const Cfg &cf, const char *segments, bool wide_gate, const
 }
 
 #ifdef KDA_TEST_EMU
+// A device that gives a block 163 KB (sm_80) runs K=128 with the 128-column tile (153 KB)
+// where the 64-column one (221 KB) does not fit, whichever the model prefers.
+static void run_fused_takes_the_tile_that_fits(const Cfg &cf) {
+    t_inst I;
+    t_current = "fused";
+    t_inst_init(&I, &cf.p, cf.cu.empty() ? NULL : cf.cu.data(), cf.has_h0, 0);
+    DevIn X;
+    dev_inputs(X, I);
+    Out o;
+    o.init(I.nv * kda_dtype_size(I.p.dtype));
+    kda_fwd_outputs out;
+    memset(&out, 0, sizeof out);
+    out.o = o.d;
+    emu_smem_limit = 166912;
+    const int before = emu_fused;
+    CHECK(kda_chunk_fwd(g_dev, &I.p, &X.dev, &out) == KDA_OK, "%s: fwd with 163 KB: %s", cf.name, kda_last_error(g_dev));
+    emu_smem_limit = 0;
+    CHECK(emu_fused > before && emu_fused_bv == 128, "%s: 163 KB of shared memory: %d fused launches, tile %d", cf.name,
+          emu_fused - before, emu_fused_bv);
+    dfree_all();
+    t_inst_free(&I);
+}
+
 // A device that gives a block less shared memory than the fused kernel needs (sm_86's
-// 99 KB against 161 KB) runs the staged forward: same bits as KDA_FUSED=0, no fused launch.
+// 99 KB against 153 KB) runs the staged forward: same bits as KDA_FUSED=0, no fused launch.
 static void run_fused_declines_without_shared_memory(const Cfg &cf) {
     t_inst I;
     t_current = "fused";
@@ -683,6 +706,7 @@ int main(int argc, char **argv) {
         }
 #ifdef KDA_TEST_EMU
         run_fused_declines_without_shared_memory(fused_configs()[0]);
+        run_fused_takes_the_tile_that_fits(fused_configs()[1]); // K = 128
 #endif
     }
     kda_context_destroy(g_dev);
