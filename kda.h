@@ -3550,11 +3550,16 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     ns = kda__fused_segments(ctx, p, kf, c->s.len, N, NULL);
     sc = (nch + ns - 1) / ns;
     ns = (nch + sc - 1) / sc; /* no empty segment */
-    kda__log(ctx, "%s: %lld segment(s) of %lld chunks", kf->name, ns, sc);
     if (ns > 1) {
         bt = (size_t)N * ns * p->HV * (p->V + p->K) * p->K * sizeof(float);
         bs = (size_t)N * ns * p->HV * p->V * p->K * sizeof(float);
+        if (ctx->workspace && ctx->workspace_size < tb + bt + bs + 512) { /* the caller's workspace: unsplit */
+            kda__log(ctx, "%s: %lld segments need %zu bytes of workspace, %zu set: unsplit", kf->name, ns,
+                     tb + bt + bs + 512, ctx->workspace_size);
+            ns = 1, sc = nch, bt = bs = 0;
+        }
     }
+    kda__log(ctx, "%s: %lld segment(s) of %lld chunks", kf->name, ns, sc);
     if ((s = kda__ws_acquire(ctx, tb + bt + bs + 512, &ws, &owned))) return s;
     if ((s = kda__tables_upload(ctx, c, ws))) goto done;
     c->ht = out->ht;

@@ -489,6 +489,35 @@ static void run_fused_takes_the_tile_that_fits(const Cfg &cf) {
     t_inst_free(&I);
 }
 
+// A caller's workspace too small for the split's segment states: the forward runs unsplit
+// (same bits as KDA_SEGMENTS=1) instead of failing for want of memory.
+static void run_fused_unsplit_in_a_small_workspace(const Cfg &cf) {
+    t_inst I;
+    t_current = "fused";
+    t_inst_init(&I, &cf.p, cf.cu.empty() ? NULL : cf.cu.data(), cf.has_h0, 0);
+    DevIn X;
+    dev_inputs(X, I);
+    const size_t es = kda_dtype_size(I.p.dtype), ws_bytes = kda__tables_size(&I.p) + 1024;
+    void *ws = dalloc(ws_bytes);
+    Out o, o1;
+    o.init(I.nv * es); o1.init(I.nv * es);
+    for (int side = 0; side < 2; side++) { /* 3 segments asked for in the small workspace; 1 segment */
+        kda_fwd_outputs out;
+        memset(&out, 0, sizeof out);
+        out.o = side ? o1.d : o.d;
+        setenv("KDA_SEGMENTS", side ? "1" : "3", 1);
+        kda_set_workspace(g_dev, side ? NULL : ws, side ? 0 : ws_bytes);
+        CHECK(kda_chunk_fwd(g_dev, &I.p, &X.dev, &out) == KDA_OK, "%s: fwd (%s): %s", cf.name,
+              side ? "1 segment" : "3 segments in a small workspace", kda_last_error(g_dev));
+    }
+    kda_set_workspace(g_dev, NULL, 0);
+    unsetenv("KDA_SEGMENTS");
+    o.fetch(); o1.fetch();
+    CHECK(memcmp(o.h.data(), o1.h.data(), I.nv * es) == 0, "%s: the small workspace's forward differs from the unsplit one", cf.name);
+    dfree_all();
+    t_inst_free(&I);
+}
+
 // A device that gives a block less shared memory than the fused kernel needs (sm_86's
 // 99 KB against 153 KB) runs the staged forward: same bits as KDA_FUSED=0, no fused launch.
 static void run_fused_declines_without_shared_memory(const Cfg &cf) {
@@ -707,6 +736,7 @@ int main(int argc, char **argv) {
 #ifdef KDA_TEST_EMU
         run_fused_declines_without_shared_memory(fused_configs()[0]);
         run_fused_takes_the_tile_that_fits(fused_configs()[1]); // K = 128
+        run_fused_unsplit_in_a_small_workspace(fused_configs()[2]);
 #endif
     }
     kda_context_destroy(g_dev);
