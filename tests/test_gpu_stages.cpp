@@ -466,14 +466,28 @@ static void run_fused(const Cfg &cf, const char *segments, bool wide_gate, const
 }
 
 #ifdef KDA_TEST_EMU
+// A fused config's inputs on the host and the device, for the tests that call the
+// forward by hand; device memory is freed with them.
+struct FusedInputs {
+    t_inst I;
+    DevIn X;
+    explicit FusedInputs(const Cfg &cf) {
+        t_current = "fused";
+        t_inst_init(&I, &cf.p, cf.cu.empty() ? NULL : cf.cu.data(), cf.has_h0, 0);
+        dev_inputs(X, I);
+    }
+    ~FusedInputs() {
+        dfree_all();
+        t_inst_free(&I);
+    }
+};
+
 // A device that gives a block 163 KB (sm_80) runs K=128 with the 128-column tile (153 KB)
 // where the 64-column one (221 KB) does not fit, whichever the model prefers.
 static void run_fused_takes_the_tile_that_fits(const Cfg &cf) {
-    t_inst I;
-    t_current = "fused";
-    t_inst_init(&I, &cf.p, cf.cu.empty() ? NULL : cf.cu.data(), cf.has_h0, 0);
-    DevIn X;
-    dev_inputs(X, I);
+    FusedInputs F(cf);
+    const t_inst &I = F.I;
+    DevIn &X = F.X;
     Out o;
     o.init(I.nv * kda_dtype_size(I.p.dtype));
     kda_fwd_outputs out;
@@ -485,18 +499,14 @@ static void run_fused_takes_the_tile_that_fits(const Cfg &cf) {
     emu_smem_limit = 0;
     CHECK(emu_fused > before && emu_fused_bv == 128, "%s: 163 KB of shared memory: %d fused launches, tile %d", cf.name,
           emu_fused - before, emu_fused_bv);
-    dfree_all();
-    t_inst_free(&I);
 }
 
 // A caller's workspace too small for the split's segment states: the forward runs unsplit
 // (same bits as KDA_SEGMENTS=1) instead of failing for want of memory.
 static void run_fused_unsplit_in_a_small_workspace(const Cfg &cf) {
-    t_inst I;
-    t_current = "fused";
-    t_inst_init(&I, &cf.p, cf.cu.empty() ? NULL : cf.cu.data(), cf.has_h0, 0);
-    DevIn X;
-    dev_inputs(X, I);
+    FusedInputs F(cf);
+    const t_inst &I = F.I;
+    DevIn &X = F.X;
     const size_t es = kda_dtype_size(I.p.dtype), ws_bytes = kda__tables_size(&I.p) + 1024;
     void *ws = dalloc(ws_bytes);
     Out o, o1;
@@ -514,19 +524,15 @@ static void run_fused_unsplit_in_a_small_workspace(const Cfg &cf) {
     unsetenv("KDA_SEGMENTS");
     o.fetch(); o1.fetch();
     CHECK(memcmp(o.h.data(), o1.h.data(), I.nv * es) == 0, "%s: the small workspace's forward differs from the unsplit one", cf.name);
-    dfree_all();
-    t_inst_free(&I);
 }
 
 // A device that gives a block less shared memory than the fused kernel needs (sm_86's
 // 99 KB against 153 KB) runs the staged forward: same bits as KDA_FUSED=0, no fused launch.
 static void run_fused_declines_without_shared_memory(const Cfg &cf) {
-    t_inst I;
-    t_current = "fused";
-    t_inst_init(&I, &cf.p, cf.cu.empty() ? NULL : cf.cu.data(), cf.has_h0, 0);
+    FusedInputs F(cf);
+    const t_inst &I = F.I;
     const kda_problem &p = I.p;
-    DevIn X;
-    dev_inputs(X, I);
+    DevIn &X = F.X;
     const size_t es = kda_dtype_size(p.dtype);
     Out o, os;
     o.init(I.nv * es); os.init(I.nv * es);
@@ -547,8 +553,6 @@ static void run_fused_declines_without_shared_memory(const Cfg &cf) {
     o.fetch(); os.fetch();
     CHECK(emu_fused == before, "%s: the fused kernel ran on a device without its shared memory", cf.name);
     CHECK(memcmp(o.h.data(), os.h.data(), I.nv * es) == 0, "%s: the declined forward differs from the staged one", cf.name);
-    dfree_all();
-    t_inst_free(&I);
 }
 #endif
 
