@@ -3511,21 +3511,22 @@ static double kda__fused_chunk_cost(const kda__kdesc *k) { return k->bv <= 64 ? 
 
 /* The value tile: kf (kda__fused_wanted's pick) or a sibling with another, where the
  * model says it is faster (B2 T8192 H16 V256: 64 columns fill the GPU with 128 blocks
- * where 128 columns give 64). KDA_FUSED_BV forces kf. */
+ * where 128 columns give 64), and its segments (*ns). KDA_FUSED_BV forces kf. */
 static const kda__kdesc *kda__fused_variant(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf,
-                                            const long long *len, long long nseq) {
+                                            const long long *len, long long nseq, long long *ns) {
     const kda__kdesc *best = kf;
     double t, best_t;
+    long long n;
     int i, optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
+    *ns = kda__fused_segments(ctx, p, kf, len, nseq, &best_t);
     if (getenv("KDA_FUSED_BV")) return kf;
-    kda__fused_segments(ctx, p, kf, len, nseq, &best_t);
     best_t *= kda__fused_chunk_cost(kf);
     for (i = 0; i < KDA__NUM_KERNELS; i++) {
         const kda__kdesc *o = &kda__kernels[i];
         if (o == kf || !kda__fused_sibling(o, kf)) continue;
         if (optin > 0 && o->smem > optin) continue;
-        kda__fused_segments(ctx, p, o, len, nseq, &t);
-        if (t * kda__fused_chunk_cost(o) < best_t) best = o, best_t = t * kda__fused_chunk_cost(o);
+        n = kda__fused_segments(ctx, p, o, len, nseq, &t);
+        if (t * kda__fused_chunk_cost(o) < best_t) best = o, best_t = t * kda__fused_chunk_cost(o), *ns = n;
     }
     return best;
 }
@@ -3545,9 +3546,8 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
         if (c->s.len[i] > maxlen) maxlen = c->s.len[i];
     if (maxlen == 0) return KDA_OK;
     nch = (maxlen + 15) / 16;
-    kf = kda__fused_variant(ctx, p, kf, c->s.len, N);
+    kf = kda__fused_variant(ctx, p, kf, c->s.len, N, &ns);
     nvb = kda__fused_vblocks(kf, p);
-    ns = kda__fused_segments(ctx, p, kf, c->s.len, N, NULL);
     sc = (nch + ns - 1) / ns;
     ns = (nch + sc - 1) / sc; /* no empty segment */
     if (ns > 1) {
