@@ -1011,15 +1011,19 @@ int main(int argc, char **argv)
             if (sscanf(val, "%d,%d,%d,%d,%d", &g->B, &g->T, &g->H, &g->K, &g->V) != 5 || g->B < 1 || g->T < 1 ||
                 g->H < 1 || g->K < 1 || g->V < 1)
                 return usage();
-        } else if (!strcmp(a, "--seqlens")) {
-            int n = 0, len, used;
-            for (const char *c = val; n < 256 && sscanf(c, "%d%n", &len, &used) == 1 && len >= 0; n++) {
-                g_cu[n + 1] = g_cu[n] + len;
-                c += used;
-                if (*c != ',') { n++; break; }
-                c++;
+        } else if (!strcmp(a, "--seqlens")) { /* up to 256 lengths, comma-separated, nothing else */
+            int n = 0;
+            for (const char *c = val;; c++) {
+                char *end;
+                long len = strtol(c, &end, 10);
+                if (end == c || len < 0 || n == 256) return usage();
+                g_cu[n + 1] = g_cu[n] + (int32_t)len, n++;
+                if (*(c = end) != ',') {
+                    if (*c) return usage();
+                    break;
+                }
             }
-            if (n < 1 || g_cu[n] < 1) return usage();
+            if (g_cu[n] < 1) return usage();
             g_shape.cu_seqlens = g_cu;
             g_shape.num_seqs = n;
         } else return usage();
