@@ -41,6 +41,7 @@ struct kda_emu_block {
     std::unique_ptr<std::barrier<>> named[16]; // bar.sync / bar.arrive, made on first use
     int named_n[16] = {};
     std::mutex named_mu;
+    std::atomic<int> red[16][3] = {};           // bar.red.or: one slot per call, three in turn
 };
 inline kda_emu_block *kda_emu_state;
 
@@ -67,6 +68,18 @@ inline void kda_emu_bar(int id, int n, bool wait) {
     }
     if (wait) b->arrive_and_wait();
     else (void)b->arrive();
+}
+// bar.red.or.pred id, n: bar.sync that returns whether pred held in any thread. Call k
+// of a thread (on this id) ORs into slot k % 3 and clears slot (k + 1) % 3 before it
+// arrives: that slot's last readers (call k - 2) are all past call k - 1 by then.
+inline thread_local unsigned kda_emu_red_calls[16];
+inline bool kda_emu_bar_or(int id, int n, bool pred) {
+    kda_emu_block *st = kda_emu_state;
+    const unsigned k = kda_emu_red_calls[id & 15]++;
+    st->red[id & 15][(k + 1) % 3].store(0);
+    if (pred) st->red[id & 15][k % 3].fetch_or(1);
+    kda_emu_bar(id, n, true);
+    return st->red[id & 15][k % 3].load() != 0;
 }
 template <class T> inline T kda_emu_shfl(T v, int src_of_lane(int lane, int arg), int arg) {
     static_assert(sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");
@@ -124,6 +137,15 @@ inline void kda_emu_mma16816(float d[4], const uint32_t a[4], const uint32_t b[2
     for (int i = 0; i < 4; i++) d[i] = out[i];
 }
 
+// cp.async: a thread's copies land when it waits (kda_cp_wait_all), the latest the
+// hardware allows, so that a read of the destination not ordered after that wait reads
+// stale data here, and ThreadSanitizer (make test-race) reports it as a race.
+struct kda_emu_copy { void *dst; unsigned char bytes[16]; };
+inline thread_local std::vector<kda_emu_copy> kda_emu_copies;
+inline void kda_emu_cp_land() {
+    for (const kda_emu_copy &c : kda_emu_copies) memcpy(c.dst, c.bytes, 16);
+    kda_emu_copies.clear();
+}
 // cp.async of 16 bytes and ldmatrix rows need 16-byte aligned addresses
 inline void kda_emu_check_align16(const void *dst, const void *src) {
     if (((uintptr_t)dst | (uintptr_t)src) & 15) {
@@ -183,11 +205,13 @@ template <class P> inline void kda_emu_launch(void (*kernel)(const P), kda_emu_d
     for (unsigned t = 0; t < threads; t++)
         pool.emplace_back([&, t] {
             threadIdx.x = t;
+            for (unsigned &c : kda_emu_red_calls) c = 0;
             for (unsigned z = 0; z < grid.z; z++)
                 for (unsigned y = 0; y < grid.y; y++)
                     for (unsigned x = 0; x < grid.x; x++) {
                         blockIdx.x = x; blockIdx.y = y; blockIdx.z = z;
                         kernel(arg);
+                        kda_emu_cp_land(); // copies nothing waited for (the hardware lands them too)
                         st.block->arrive_and_wait(); // the block ends for every thread together
                     }
         });
