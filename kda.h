@@ -128,7 +128,9 @@ const char *kda_status_string(kda_status s);
 /* Caller-provided workspace, used by every later call. A call whose need
  * (kda_*_workspace_size) exceeds it fails with KDA_ERROR_OUT_OF_MEMORY and says
  * how much it needs. With none set (ptr NULL), each call allocates what it needs
- * through the context's allocator and frees it before returning. */
+ * through the context's allocator and frees it before returning. The fused GPU
+ * forward splits long sequences into segments (small B*H) as far as the workspace
+ * holds their states; a smaller one runs it with fewer segments, never fails it. */
 void kda_set_workspace(kda_context *ctx, void *ptr, size_t bytes);
 /* CUDA stream (a CUstream) used by every later call; ignored by the CPU backend.
  *
@@ -437,6 +439,7 @@ const char *kda_dtype_name(kda_dtype t);
 #ifndef KDA_IMPLEMENTATION_DONE
 #define KDA_IMPLEMENTATION_DONE
 
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -3460,9 +3463,9 @@ static double kda__launch_time(kda__blocks *b, long long nb, int sms) {
  * fixed costs (state in and out, the combine), fitted to an H100 sweep of 1..16 segments
  * of fixed-length batches. Segments keep at least 8 chunks, a split stops where its
  * blocks pass 4 waves, ties go to fewer segments, and KDA_SEGMENTS=n forces n (tests,
- * tuning). */
+ * tuning); neither passes cap, the segments the workspace holds. */
 static long long kda__fused_segments(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const long long *len,
-                                     long long nseq, double *time) {
+                                     long long nseq, long long cap, double *time) {
     const char *env = getenv("KDA_SEGMENTS");
     long long nvb = kda__fused_vblocks(kf, p), nkb = kda__fused_kblocks(kf, p), maxnch = 0, HV = p->HV;
     long long ns = env ? atoi(env) : 0, best = 1, i, n, lo = 1, hi = 64;
@@ -3478,6 +3481,8 @@ static long long kda__fused_segments(kda_context *ctx, const kda_problem *p, con
     for (n = 0; n < nseq; n++)
         if ((len[n] + 15) / 16 > maxnch) maxnch = (len[n] + 15) / 16;
     if (ns > 0) lo = hi = ns > maxnch ? (maxnch > 0 ? maxnch : 1) : ns; /* forced: its time only */
+    if (hi > cap) hi = cap > 1 ? cap : 1;
+    if (lo > hi) lo = hi;
     for (i = lo; i <= hi && (i == lo || i <= (maxnch + 7) / 8); i++) {
         long long sc = (maxnch + i - 1) / i, n1 = 0, n0 = 0, blocks = 0;
         double t;
@@ -3511,21 +3516,21 @@ static double kda__fused_chunk_cost(const kda__kdesc *k) { return k->bv <= 64 ? 
 
 /* The value tile: kf (kda__fused_wanted's pick) or a sibling with another, where the
  * model says it is faster (B2 T8192 H16 V256: 64 columns fill the GPU with 128 blocks
- * where 128 columns give 64), and its segments (*ns). KDA_FUSED_BV forces kf. */
+ * where 128 columns give 64), and its segments (*ns, at most cap). KDA_FUSED_BV forces kf. */
 static const kda__kdesc *kda__fused_variant(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf,
-                                            const long long *len, long long nseq, long long *ns) {
+                                            const long long *len, long long nseq, long long cap, long long *ns) {
     const kda__kdesc *best = kf;
     double t, best_t;
     long long n;
     int i, optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
-    *ns = kda__fused_segments(ctx, p, kf, len, nseq, &best_t);
+    *ns = kda__fused_segments(ctx, p, kf, len, nseq, cap, &best_t);
     if (getenv("KDA_FUSED_BV")) return kf;
     best_t *= kda__fused_chunk_cost(kf);
     for (i = 0; i < KDA__NUM_KERNELS; i++) {
         const kda__kdesc *o = &kda__kernels[i];
         if (o == kf || !kda__fused_sibling(o, kf)) continue;
         if (optin > 0 && o->smem > optin) continue;
-        n = kda__fused_segments(ctx, p, o, len, nseq, &t);
+        n = kda__fused_segments(ctx, p, o, len, nseq, cap, &t);
         if (t * kda__fused_chunk_cost(o) < best_t) best = o, best_t = t * kda__fused_chunk_cost(o), *ns = n;
     }
     return best;
@@ -3535,7 +3540,8 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
                                  const kda__kdesc *kf) {
     const kda__kdesc *kc = kda__kernel_find(ctx, KDA__STAGE_FWD_COMBINE, p);
     long long maxlen = 0, nch, ns, sc, i, N = c->s.N, nvb;
-    size_t tb = kda__tables_size(p), bt = 0, bs = 0;
+    size_t tb = kda__tables_size(p), bt = 0, bs = 0, seg = (size_t)N * p->HV * (2 * p->V + p->K) * p->K * sizeof(float);
+    long long cap = LLONG_MAX;
     unsigned grid[3];
     void *ws = NULL;
     int owned = 0;
@@ -3546,19 +3552,18 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
         if (c->s.len[i] > maxlen) maxlen = c->s.len[i];
     if (maxlen == 0) return KDA_OK;
     nch = (maxlen + 15) / 16;
-    kf = kda__fused_variant(ctx, p, kf, c->s.len, N, &ns);
+    /* a split keeps, per segment, its end state and transition ([V + K][K]) and its start
+     * state ([V][K]) per sequence and value head: a caller's workspace bounds the segments */
+    if (ctx->workspace) cap = ctx->workspace_size > tb + 512 ? (long long)((ctx->workspace_size - tb - 512) / seg) : 0;
+    kf = kda__fused_variant(ctx, p, kf, c->s.len, N, cap, &ns);
     nvb = kda__fused_vblocks(kf, p);
     sc = (nch + ns - 1) / ns;
     ns = (nch + sc - 1) / sc; /* no empty segment */
     if (ns > 1) {
         bt = (size_t)N * ns * p->HV * (p->V + p->K) * p->K * sizeof(float);
         bs = (size_t)N * ns * p->HV * p->V * p->K * sizeof(float);
-        if (ctx->workspace && ctx->workspace_size < tb + bt + bs + 512) { /* the caller's workspace: unsplit */
-            kda__log(ctx, "%s: %lld segments need %zu bytes of workspace, %zu set: unsplit", kf->name, ns,
-                     tb + bt + bs + 512, ctx->workspace_size);
-            ns = 1, sc = nch, bt = bs = 0;
-        }
     }
+    if (cap < LLONG_MAX) kda__log(ctx, "%s: the caller's workspace holds %lld segment(s)", kf->name, cap > 1 ? cap : 1);
     kda__log(ctx, "%s: %lld segment(s) of %lld chunks", kf->name, ns, sc);
     if ((s = kda__ws_acquire(ctx, tb + bt + bs + 512, &ws, &owned))) return s;
     if ((s = kda__tables_upload(ctx, c, ws))) goto done;

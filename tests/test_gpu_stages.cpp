@@ -44,9 +44,9 @@ static kda_status emu_copy(kda_context *, void *dst, const void *src, size_t byt
     return KDA_OK;
 }
 static kda_status emu_fill(kda_context *, void *dst, int byte, size_t bytes) { memset(dst, byte, bytes); return KDA_OK; }
-static int emu_launches, emu_fused, emu_fused_bv; // fused launches, the last one's value tile
+static int emu_launches, emu_fused, emu_fused_bv, emu_fused_nseg; // fused launches, the last one's value tile and segments
 static kda_status emu_launch(kda_context *ctx, const kda__kdesc *k, const unsigned grid[3], const kda__kparams *a) {
-    if (!strcmp(k->stage, "fwd_fused")) emu_fused++, emu_fused_bv = k->bv;
+    if (!strcmp(k->stage, "fwd_fused")) emu_fused++, emu_fused_bv = k->bv, emu_fused_nseg = (int)a->fz_nseg;
     for (const kda_emu_kernel &e : kda_emu_kernels)
         if (!strcmp(e.name, k->name)) {
             kda_emu_dim3 g;
@@ -501,29 +501,40 @@ static void run_fused_takes_the_tile_that_fits(const Cfg &cf) {
           emu_fused - before, emu_fused_bv);
 }
 
-// A caller's workspace too small for the split's segment states: the forward runs unsplit
-// (same bits as KDA_SEGMENTS=1) instead of failing for want of memory.
-static void run_fused_unsplit_in_a_small_workspace(const Cfg &cf) {
+// A caller's workspace bounds the split: asked for 3 segments, a workspace that holds the
+// states of 2 runs 2 (same bits as KDA_SEGMENTS=2 with the library's own workspace), one
+// that holds none runs unsplit (same bits as KDA_SEGMENTS=1), instead of failing for want
+// of memory.
+static void run_fused_splits_as_far_as_the_workspace_holds(const Cfg &cf) {
     FusedInputs F(cf);
     const t_inst &I = F.I;
+    const kda_problem &p = I.p;
     DevIn &X = F.X;
-    const size_t es = kda_dtype_size(I.p.dtype), ws_bytes = kda__tables_size(&I.p) + 1024;
-    void *ws = dalloc(ws_bytes);
-    Out o, o1;
-    o.init(I.nv * es); o1.init(I.nv * es);
-    for (int side = 0; side < 2; side++) { /* 3 segments asked for in the small workspace; 1 segment */
-        kda_fwd_outputs out;
-        memset(&out, 0, sizeof out);
-        out.o = side ? o1.d : o.d;
-        setenv("KDA_SEGMENTS", side ? "1" : "3", 1);
-        kda_set_workspace(g_dev, side ? NULL : ws, side ? 0 : ws_bytes);
-        CHECK(kda_chunk_fwd(g_dev, &I.p, &X.dev, &out) == KDA_OK, "%s: fwd (%s): %s", cf.name,
-              side ? "1 segment" : "3 segments in a small workspace", kda_last_error(g_dev));
+    const size_t es = kda_dtype_size(p.dtype), tb = kda__tables_size(&p);
+    const size_t seg = (size_t)kda_num_seqs(&p) * p.HV * (2 * p.V + p.K) * p.K * sizeof(float);
+    for (int segs = 1; segs <= 2; segs++) {
+        const size_t ws_bytes = tb + 512 + (segs == 2 ? 2 * seg : seg - 1);
+        void *ws = dalloc(ws_bytes);
+        Out o, o1;
+        o.init(I.nv * es); o1.init(I.nv * es);
+        int nseg = 0;
+        for (int side = 0; side < 2; side++) { /* 3 segments asked for in the caller's workspace; segs without one */
+            kda_fwd_outputs out;
+            memset(&out, 0, sizeof out);
+            out.o = side ? o1.d : o.d;
+            setenv("KDA_SEGMENTS", side ? (segs == 2 ? "2" : "1") : "3", 1);
+            kda_set_workspace(g_dev, side ? NULL : ws, side ? 0 : ws_bytes);
+            CHECK(kda_chunk_fwd(g_dev, &p, &X.dev, &out) == KDA_OK, "%s: fwd (%s): %s", cf.name,
+                  side ? "the library's workspace" : "3 segments in the caller's workspace", kda_last_error(g_dev));
+            if (!side) nseg = emu_fused_nseg;
+        }
+        kda_set_workspace(g_dev, NULL, 0);
+        unsetenv("KDA_SEGMENTS");
+        CHECK(nseg == segs, "%s: a workspace for %d segment(s) ran %d", cf.name, segs, nseg);
+        o.fetch(); o1.fetch();
+        CHECK(memcmp(o.h.data(), o1.h.data(), I.nv * es) == 0, "%s: %d segment(s) in the caller's workspace differ from %d in the library's",
+              cf.name, segs, segs);
     }
-    kda_set_workspace(g_dev, NULL, 0);
-    unsetenv("KDA_SEGMENTS");
-    o.fetch(); o1.fetch();
-    CHECK(memcmp(o.h.data(), o1.h.data(), I.nv * es) == 0, "%s: the small workspace's forward differs from the unsplit one", cf.name);
 }
 
 // A device that gives a block less shared memory than the fused kernel needs (sm_86's
@@ -739,7 +750,7 @@ int main(int argc, char **argv) {
 #ifdef KDA_TEST_EMU
         run_fused_declines_without_shared_memory(fused_configs()[0]);
         run_fused_takes_the_tile_that_fits(fused_configs()[1]); // K = 128
-        run_fused_unsplit_in_a_small_workspace(fused_configs()[2]);
+        run_fused_splits_as_far_as_the_workspace_holds(fused_configs()[2]);
 #endif
     }
     kda_context_destroy(g_dev);
