@@ -90,7 +90,7 @@ test-sanitize:
 # the same bytes (cp.async's included: they land at the wait) stops the run.
 test-race:
 	$(MAKE) BUILD=build/race SAN="-g -fsanitize=thread" build/race/test_gpu_stages
-	TSAN_OPTIONS="halt_on_error=1 exitcode=66" ./build/race/test_gpu_stages --quick fused
+	TSAN_OPTIONS="halt_on_error=1 exitcode=66" ./build/race/test_gpu_stages --quick --race fused
 
 bench: $(BUILD)/kda-bench
 	./$(BUILD)/kda-bench --device cpu
