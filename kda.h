@@ -3510,8 +3510,9 @@ static long long kda__fused_segments(kda_context *ctx, const kda_problem *p, con
 
 /* A chunk's time in fwd_fused kernel k relative to the 128-column kernel: the 64-column
  * one took 1.56 us a chunk on an H100 where the 128-column one takes 1.94 (B1 T8192 H32,
- * unsplit, 2026-11-22, with two factor groups; three make it faster yet, and the model's
- * choices on the ANCHORS shapes stayed the fastest measured). */
+ * unsplit, 2026-11-22, with two factor groups). Not refitted for its three groups: a sweep
+ * of tiles x 1..16 segments after them (H100, bench/RESULTS.md) found the model's picks
+ * the fastest on B1 T8192 H32, B1 T65536 H16, V=256 and the varlen batch. */
 static double kda__fused_chunk_cost(const kda__kdesc *k) { return k->bv <= 64 ? 0.8 : 1.0; }
 
 /* The value tile: kf (kda__fused_wanted's pick) or a sibling with another, where the
