@@ -3541,7 +3541,10 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
                                  const kda__kdesc *kf) {
     const kda__kdesc *kc = kda__kernel_find(ctx, KDA__STAGE_FWD_COMBINE, p);
     long long maxlen = 0, nch, ns, sc, i, N = c->s.N, nvb;
-    size_t tb = kda__tables_size(p), bt = 0, bs = 0, seg = (size_t)N * p->HV * (2 * p->V + p->K) * p->K * sizeof(float);
+    /* a split keeps, per segment, sequence and value head, its end state and transition
+     * ([V + K][K], fz_trans) and its start state ([V][K], fz_start) */
+    size_t tb = kda__tables_size(p), bt = 0, bs = 0, trans = (size_t)N * p->HV * (p->V + p->K) * p->K * sizeof(float),
+           start = (size_t)N * p->HV * p->V * p->K * sizeof(float);
     long long cap = LLONG_MAX;
     unsigned grid[3];
     void *ws = NULL;
@@ -3553,17 +3556,13 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
         if (c->s.len[i] > maxlen) maxlen = c->s.len[i];
     if (maxlen == 0) return KDA_OK;
     nch = (maxlen + 15) / 16;
-    /* a split keeps, per segment, its end state and transition ([V + K][K]) and its start
-     * state ([V][K]) per sequence and value head: a caller's workspace bounds the segments */
-    if (ctx->workspace) cap = ctx->workspace_size > tb + 512 ? (long long)((ctx->workspace_size - tb - 512) / seg) : 0;
+    /* a caller's workspace bounds the segments */
+    if (ctx->workspace) cap = ctx->workspace_size > tb + 512 ? (long long)((ctx->workspace_size - tb - 512) / (trans + start)) : 0;
     kf = kda__fused_variant(ctx, p, kf, c->s.len, N, cap, &ns);
     nvb = kda__fused_vblocks(kf, p);
     sc = (nch + ns - 1) / ns;
     ns = (nch + sc - 1) / sc; /* no empty segment */
-    if (ns > 1) {
-        bt = (size_t)N * ns * p->HV * (p->V + p->K) * p->K * sizeof(float);
-        bs = (size_t)N * ns * p->HV * p->V * p->K * sizeof(float);
-    }
+    if (ns > 1) bt = (size_t)ns * trans, bs = (size_t)ns * start;
     if (cap < LLONG_MAX) kda__log(ctx, "%s: the caller's workspace holds %lld segment(s)", kf->name, cap > 1 ? cap : 1);
     kda__log(ctx, "%s: %lld segment(s) of %lld chunks", kf->name, ns, sc);
     if ((s = kda__ws_acquire(ctx, tb + bt + bs + 512, &ws, &owned))) return s;
