@@ -45,7 +45,7 @@ STAGES = {
     # the fused forward (16-token chunks, tensor cores; f16/bf16, K <= bk): the default
     # forward when no intermediates are asked for; fwd_combine joins split sequences
     # (bv/16 state warps + 2 (bv 128) or 3 (bv 64) groups of 4 factor warps, a factor buffer
-    # each; dynamic shared memory: bk 128 bv 64 takes 204 KB, which an A100 cannot give)
+    # each; dynamic shared memory: bk 128 bv 64 takes 226 KB, which an A100 cannot give)
     "fwd_fused":   dict(axes={"dtype": ["f16", "bf16"], "bk": [64, 128], "bv": [64, 128]}, grid="fused",
                         threads="2*bv+256+128*(bv==64)", smem="1024*(34+bk) if bv == 128 else 1024*(bk*3//2+34)"),
     "fwd_combine": dict(axes={}, grid="fused", threads=128),
