@@ -137,11 +137,11 @@ inline void kda_emu_mma16816(float d[4], const uint32_t a[4], const uint32_t b[2
     for (int i = 0; i < 4; i++) d[i] = out[i];
 }
 
-// cp.async: a thread's copies land when it waits (kda_cp_wait_all), the latest the
-// hardware allows, so that a read of the destination not ordered after that wait reads
-// stale data here, and ThreadSanitizer (make test-race) reports it as a race.
-// A copy belongs to the group the thread's next commit closes; one not yet committed stays
-// pending through kda_cp_wait<N>.
+// cp.async: a thread's copies land when it waits for their group (kda_cp_wait<N>), the
+// latest the hardware allows, so that a read of the destination not ordered after that wait
+// reads stale data here, and ThreadSanitizer (make test-race) reports it as a race. A copy
+// belongs to the group the thread's next commit closes; one not yet committed stays pending
+// through every wait, as with cp.async.wait_group, and lands when the block ends.
 struct kda_emu_copy { void *dst; unsigned char bytes[16]; unsigned group; };
 inline thread_local std::vector<kda_emu_copy> kda_emu_copies;
 inline thread_local unsigned kda_emu_groups; // groups this thread has committed
@@ -149,13 +149,14 @@ inline void kda_emu_cp_land() {
     for (const kda_emu_copy &c : kda_emu_copies) memcpy(c.dst, c.bytes, 16);
     kda_emu_copies.clear();
 }
-// cp.async.wait_group n: every committed group but the n latest lands
+// cp.async.wait_group n: every committed group but the n latest lands (in place: the
+// copies still pending keep their order)
 inline void kda_emu_cp_land_groups(unsigned n) {
-    std::vector<kda_emu_copy> keep;
+    size_t kept = 0;
     for (const kda_emu_copy &c : kda_emu_copies)
         if (c.group + n < kda_emu_groups) memcpy(c.dst, c.bytes, 16);
-        else keep.push_back(c);
-    kda_emu_copies.swap(keep);
+        else kda_emu_copies[kept++] = c;
+    kda_emu_copies.resize(kept);
 }
 // cp.async of 16 bytes and ldmatrix rows need 16-byte aligned addresses
 inline void kda_emu_check_align16(const void *dst, const void *src) {
