@@ -406,24 +406,38 @@ static std::vector<Cfg> fused_configs() {
     v.push_back({"fused_split3_T100_K32_V16_bf16", p, {}, 1, 0});
     p = kda_problem_default(1, 50, 1, 48, 24); p.dtype = KDA_BF16; p.gate = KDA_GATE_SOFTPLUS;
     v.push_back({"fused_wide_gate_T50_K48_V24_bf16", p, {}, 0, 0});
+    p = kda_problem_default(1, 60, 1, 128, 32); p.dtype = KDA_BF16; p.gate = KDA_GATE_SOFTPLUS; p.qk_l2norm = 1;
+    v.push_back({"fused_strong_gate_T60_K128_V32_bf16", p, {}, 1, 0});
+    p.K = 48;
+    v.push_back({"fused_strong_gate_T60_K48_V32_bf16", p, {}, 1, 0});
     // K, V % 8 != 0: rows are not 16-byte aligned, the inputs come and o leaves element by element
     p = kda_problem_default(2, 63, 2, 60, 36); p.dtype = KDA_BF16; p.g_dtype = KDA_BF16; p.gate = KDA_GATE_SOFTPLUS;
     p.qk_l2norm = 1;
     v.push_back({"fused_B2_T63_K60_V36_bf16g_unaligned_rows", p, {}, 1, 0});
     return v;
 }
+// Gates at the edge of the fused kernel's factored products: every 7th token forgets
+// (wide: g -> -1000, past SPAN: the per-pair fallback), or half the channels decay by 5 a
+// token through chunks 1 and 2 (strong: 58 (base 2) a half chunk, factored with exponents
+// near 2^58; the other half keeps the state, so o still depends on it)
+enum FusedGate { GATE_PLAIN, GATE_WIDE, GATE_STRONG };
+static FusedGate fused_gate(const Cfg &cf) {
+    return strstr(cf.name, "wide") ? GATE_WIDE : strstr(cf.name, "strong") ? GATE_STRONG : GATE_PLAIN;
+}
 // (bv: the value tile, KDA_FUSED_BV; the automatic choice takes 64 on problems this small)
-static void run_fused(const Cfg &cf, const char *segments, bool wide_gate, const char *bv) {
+static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const char *bv) {
     kda_context *cpu = t_cpu();
     t_inst I;
     t_current = "fused";
     t_inst_init(&I, &cf.p, cf.cu.empty() ? NULL : cf.cu.data(), cf.has_h0, 0);
     const kda_problem &p = I.p;
-    if (wide_gate) { // every 7th token forgets (g -> -1000 after the softplus), one chunk's span stays factorable
+    if (gate != GATE_PLAIN) { // g = -softplus(raw + dt_bias); chunk 0 stays in range
         for (int c = 0; c < p.HV; c++) I.A_log[c] = 0.0f;
         for (size_t r = 17; r < (size_t)p.B * p.T; r++)
-            for (int c = 0; c < p.HV * p.K; c++)
-                if (r % 7 == 3) I.g[r * p.HV * p.K + c] = 1000.0f;
+            for (int c = 0; c < p.HV * p.K; c++) {
+                if (gate == GATE_WIDE && r % 7 == 3) I.g[r * p.HV * p.K + c] = 1000.0f;
+                if (gate == GATE_STRONG && r % p.T < 48 && c % 2 == 0) I.g[r * p.HV * p.K + c] = 5.0f - I.dt_bias[c];
+            }
     }
     DevIn X;
     dev_inputs(X, I);
@@ -744,9 +758,9 @@ int main(int argc, char **argv) {
     }
     if (want("fused")) {
         for (const Cfg &cf : fused_configs()) {
-            const bool wide = strstr(cf.name, "wide") != NULL;
-            if (wide || !race) run_fused(cf, "1", wide, "64"), run_fused(cf, "1", wide, "128"); // --race: the splits, which run segment 0 with output too
-            if (!wide) run_fused(cf, "2", false, "64"), run_fused(cf, "3", false, "128"); // varlen: sequences of 1, 2 and 3 segments, an empty one
+            const FusedGate gate = fused_gate(cf);
+            if (gate != GATE_PLAIN || !race) run_fused(cf, "1", gate, "64"), run_fused(cf, "1", gate, "128"); // --race: the splits, which run segment 0 with output too
+            if (gate != GATE_WIDE) run_fused(cf, "2", gate, "64"), run_fused(cf, "3", gate, "128"); // varlen: sequences of 1, 2 and 3 segments, an empty one
         }
 #ifdef KDA_TEST_EMU
         run_fused_declines_without_shared_memory(fused_configs()[0]);
