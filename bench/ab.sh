@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# A/B timing of kernel variants on one GPU: kda-bench's forward median for each named
+# source tree, the trees interleaved shape by shape and round by round, so that clock and
+# thermal drift fall on all of them alike (bench/RESULTS.md's "two rounds" tables).
+#
+#   bench/ab.sh OUTDIR main=. variant=path/to/tree ...
+#   SHAPES="8,4096,16,128,128 2,8192,16,128,256" ROUNDS=3 REPS=20 bench/ab.sh ...
+#
+# A tree is a copy of this repository's kda.h, bench/ and kernels_generated/ (edited as the
+# variant needs); each builds its own build/kda-bench. Prints and appends to OUTDIR/ab.txt
+# one line per run: round, shape (B,T,H,K,V), name, median ms. kda-bench's stderr goes to
+# OUTDIR/ab_err.txt.
+set -u
+[ $# -ge 2 ] || { sed -n '2,11p' "$0"; exit 2; }
+out=$1; shift
+mkdir -p "$out"
+SHAPES=${SHAPES:-"8,4096,16,128,128 4,4096,32,64,64 2,8192,16,128,256 1,8192,32,128,128 1,65536,16,128,128"}
+ROUNDS=${ROUNDS:-2}
+REPS=${REPS:-20}
+for nd in "$@"; do
+    d=${nd#*=}
+    (cd "$d" && mkdir -p build && ${CC:-cc} -std=c11 -O3 -march=native -o build/kda-bench bench/kda_bench.c -lm -lpthread -ldl) || exit 1
+done
+for round in $(seq "$ROUNDS"); do
+    for s in $SHAPES; do
+        for nd in "$@"; do
+            n=${nd%%=*} d=${nd#*=}
+            ms=$("$d/build/kda-bench" --device gpu --ops fwd --reps "$REPS" --shape "$s" 2>>"$out/ab_err.txt" |
+                 grep -o '"ms_median":[0-9.]*' | cut -d: -f2)
+            echo "round $round shape $s $n ${ms:-failed}" | tee -a "$out/ab.txt"
+        done
+    done
+done
