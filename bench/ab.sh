@@ -6,12 +6,13 @@
 #   bench/ab.sh OUTDIR main=. variant=path/to/tree ...
 #   SHAPES="8,4096,16,128,128 2,8192,16,128,256" ROUNDS=3 REPS=20 bench/ab.sh ...
 #
-# A tree is a copy of this repository's kda.h, bench/ and kernels_generated/ (edited as the
-# variant needs); each builds its own build/kda-bench. Prints and appends to OUTDIR/ab.txt
-# one line per run: round, shape (B,T,H,K,V), name, median ms. kda-bench's stderr goes to
-# OUTDIR/ab_err.txt.
+# A tree is a copy of this repository, edited as the variant needs; each builds its own
+# build/kda-bench by the Makefile's rule, so every variant is compiled as `make` compiles
+# it (kernels_generated/ is rendered again where templates/ is newer). Prints and appends
+# to OUTDIR/ab.txt one line per run: round, shape (B,T,H,K,V), name, median ms; kda-bench's
+# stderr goes to OUTDIR/ab_err.txt.
 set -u
-[ $# -ge 2 ] || { sed -n '2,11p' "$0"; exit 2; }
+[ $# -ge 2 ] || { sed -n '2,13p' "$0"; exit 2; }
 out=$1; shift
 mkdir -p "$out"
 SHAPES=${SHAPES:-"8,4096,16,128,128 4,4096,32,64,64 2,8192,16,128,256 1,8192,32,128,128 1,65536,16,128,128"}
@@ -19,7 +20,7 @@ ROUNDS=${ROUNDS:-2}
 REPS=${REPS:-20}
 for nd in "$@"; do
     d=${nd#*=}
-    (cd "$d" && mkdir -p build && ${CC:-cc} -std=c11 -O3 -march=native -o build/kda-bench bench/kda_bench.c -lm -lpthread -ldl) || exit 1
+    make -s -C "$d" build/kda-bench || exit 1
 done
 for round in $(seq "$ROUNDS"); do
     for s in $SHAPES; do
