@@ -130,7 +130,13 @@ const char *kda_status_string(kda_status s);
  * how much it needs. With none set (ptr NULL), each call allocates what it needs
  * through the context's allocator and frees it before returning. The fused GPU
  * forward splits long sequences into segments (small B*H) as far as the workspace
- * holds their states; a smaller one runs it with fewer segments, never fails it. */
+ * holds their states; a smaller one runs it with fewer segments, never fails it.
+ * With qk_l2norm the split is bounded: a segment starts 16 chunks (KDA_WARMUP) early
+ * from a zero state and keeps its output where the decay provably leaves the dropped
+ * state at most 2^-24 of its norm in every output and in ht (the per-token largest
+ * gate over the warm-up; templates/fwd_fused.cu.j2 derives it). Where that bound fails
+ * the exact split recomputes the sequence and head, so no output carries more. The
+ * environment variable KDA_SPLIT=exact always takes the exact split. */
 void kda_set_workspace(kda_context *ctx, void *ptr, size_t bytes);
 /* CUDA stream (a CUstream) used by every later call; ignored by the CPU backend.
  *
@@ -2110,8 +2116,9 @@ typedef struct kda__kparams {
     float *state_pool;
     const int32_t *slots;
     long long num_slots, pool_dtype;
-    long long fz_mode, fz_nseg, fz_seg_chunks;
+    long long fz_mode, fz_nseg, fz_seg_chunks, fz_warm;
     float *fz_start, *fz_trans;
+    int *fz_flags;
 } kda__kparams;
 
 #define KDA__H2D 0
@@ -3007,7 +3014,7 @@ static void kda__ws_release(kda_context *ctx, void *ptr, int owned) {
 /* ------------------------------------------------------- device stages */
 
 static const char *const kda__stage_names[] = {
-    "prepare", "gate_cumsum", "intra", "solve", "wu", "state", "output", "fwd_fused", "fwd_combine", 0, 0,
+    "prepare", "gate_cumsum", "intra", "solve", "wu", "state", "output", "fwd_fused", "fwd_combine", "fwd_fused_bounded", 0,
     "bwd_dav", "bwd_dhu", "bwd_wy", "bwd_intra", "bwd_cumsum", "bwd_gate", "bwd_qkb", 0, 0,
     "recurrent", "states_out", "selftest_mma"};
 #define KDA__STAGE_RECURRENT 20
@@ -3015,6 +3022,7 @@ static const char *const kda__stage_names[] = {
 #define KDA__STAGE_SELFTEST_MMA 22 /* tests only: the tensor-core fragment layout */
 #define KDA__STAGE_FWD_FUSED 7
 #define KDA__STAGE_FWD_COMBINE 8
+#define KDA__STAGE_FWD_FUSED_BOUNDED 9
 
 /* The kernel variant of `stage` for problem p: exact match on the axes the
  * stage has, the smallest key tile >= K, and the smallest value tile >= V (or
@@ -3122,21 +3130,24 @@ static int kda__fused_sibling(const kda__kdesc *a, const kda__kdesc *b) {
 /* Indices of the kernels a forward, backward and decode of p use (the fused forward's
  * with each value tile: kda__fused_variant picks one by the sequence lengths). */
 int kda_kernels_needed(kda_context *ctx, const kda_problem *p, int *idx, int max) {
-    /* the fused forward's two stages last: problems it does not cover leave them out */
-    static const int stages[] = {0, 1, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15, 16, 17, 20, 21, 7, 8};
+    /* the fused forward's stages last: problems it does not cover leave them out (and the
+     * bounded split, problems without the in-kernel l2norm) */
+    static const int stages[] = {0, 1, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15, 16, 17, 20, 21, 7, 8, 9};
     size_t i, ns = sizeof stages / sizeof stages[0];
     int n = 0;
     if (!ctx) return -1;
     ctx->err[0] = 0;
     if (kda__check_problem(ctx, p) != KDA_OK) return -1;
-    if (!kda__fused_shape(p)) ns -= 2;
+    if (!kda__fused_shape(p)) ns -= 3;
+    else if (!p->qk_l2norm) ns -= 1;
     for (i = 0; i < ns; i++) {
         const kda__kdesc *k = kda__kernel_find(ctx, stages[i], p);
         int j;
         if (!k) return -1;
         if (n < max && idx) idx[n] = (int)(k - kda__kernels);
         n++;
-        for (j = 0; stages[i] == KDA__STAGE_FWD_FUSED && j < KDA__NUM_KERNELS; j++) { /* its other value tiles */
+        for (j = 0; (stages[i] == KDA__STAGE_FWD_FUSED || stages[i] == KDA__STAGE_FWD_FUSED_BOUNDED) && j < KDA__NUM_KERNELS;
+             j++) { /* its other value tiles */
             const kda__kdesc *o = &kda__kernels[j];
             if (o == k || !kda__fused_sibling(o, k)) continue;
             if (n < max && idx) idx[n] = j;
@@ -3453,7 +3464,10 @@ static double kda__launch_time(kda__blocks *b, long long nb, int sms) {
 
 /* Segments of the longest sequence for fwd_fused kernel kf, and the model's time for
  * them (in chunks of kf). Segments are sc = ceil(maxnch / ns) chunks long; a sequence of
- * nch chunks has s = ceil(nch / sc) of them (at least 1). A split (ns > 1) runs a
+ * nch chunks has s = ceil(nch / sc) of them (at least 1). The bounded split (warm >= 0)
+ * runs every segment in one pass, segment s > 0 with up to warm chunks more, and adds
+ * KDA__FZ_CHECK chunks for the exact passes' launches, which end at once where every
+ * bound held (an estimate: three launches of a few microseconds). The exact split runs a
  * transition pass of, per split sequence and value head, segment 0 (its output and end
  * state) and the segments between the first and the last (V and K column blocks), then
  * an output pass of the other segments and the unsplit sequences (V blocks; short
@@ -3464,19 +3478,20 @@ static double kda__launch_time(kda__blocks *b, long long nb, int sms) {
  * of fixed-length batches. Segments keep at least 8 chunks, a split stops where its
  * blocks pass 4 waves, ties go to fewer segments, and KDA_SEGMENTS=n forces n (tests,
  * tuning); neither passes cap, the segments the workspace holds. */
+#define KDA__FZ_CHECK 6.0
 static long long kda__fused_segments(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const long long *len,
-                                     long long nseq, long long cap, double *time) {
+                                     long long nseq, long long cap, long long warm, double *time) {
     const char *env = getenv("KDA_SEGMENTS");
     long long nvb = kda__fused_vblocks(kf, p), nkb = kda__fused_kblocks(kf, p), maxnch = 0, HV = p->HV;
     long long ns = env ? atoi(env) : 0, best = 1, i, n, lo = 1, hi = 64;
     int sms = ctx->dev->sm_count ? ctx->dev->sm_count(ctx) : 0;
     double best_t = 0.0;
-    kda__blocks *b1 = (kda__blocks *)kda__alloc(ctx, sizeof(kda__blocks) * 4 * (size_t)(nseq > 0 ? nseq : 1)), *b0;
+    kda__blocks *b1 = (kda__blocks *)kda__alloc(ctx, sizeof(kda__blocks) * 5 * (size_t)(nseq > 0 ? nseq : 1)), *b0;
     if (!b1) { /* no model: unsplit */
         if (time) *time = 1.0;
         return 1;
     }
-    b0 = b1 + 2 * nseq;
+    b0 = b1 + nseq; /* b1: a block kind a sequence, b0: up to four */
     if (sms <= 0) sms = 1;
     for (n = 0; n < nseq; n++)
         if ((len[n] + 15) / 16 > maxnch) maxnch = (len[n] + 15) / 16;
@@ -3494,13 +3509,22 @@ static long long kda__fused_segments(kda_context *ctx, const kda_problem *p, con
                 blocks += nvb * HV;
                 continue;
             }
+            if (warm >= 0) { /* bounded: segment 0, the second (its warm-up may reach token 0), the rest, the last */
+                long long w1 = warm < sc ? warm : sc, wl = (nch - (sn - 1) * sc) + (warm < (sn - 1) * sc ? warm : (sn - 1) * sc);
+                b0[n0].d = (double)sc + 12.0, b0[n0++].n = nvb * HV;
+                if (sn > 2) b0[n0].d = (double)(sc + w1) + 12.0, b0[n0++].n = nvb * HV;
+                if (sn > 3) b0[n0].d = (double)(sc + (warm < 2 * sc ? warm : 2 * sc)) + 12.0, b0[n0++].n = (sn - 3) * nvb * HV;
+                b0[n0].d = (double)wl + 12.0, b0[n0++].n = nvb * HV;
+                blocks += sn * nvb * HV;
+                continue;
+            }
             b1[n1].d = (double)sc + 12.0, b1[n1++].n = (nvb + (sn - 2) * (nvb + nkb)) * HV; /* segment 0, the middle */
             b0[n0].d = (double)(nch - (sn - 1) * sc) + 12.0, b0[n0++].n = nvb * HV;        /* the last */
             if (sn > 2) b0[n0].d = (double)sc + 12.0, b0[n0++].n = (sn - 2) * nvb * HV;  /* the middle */
             blocks += (2 * nvb + (sn - 2) * (2 * nvb + nkb)) * HV;
         }
         if (i > lo && blocks > 4LL * sms) break; /* more segments only add work */
-        t = kda__launch_time(b1, n1, sms) + kda__launch_time(b0, n0, sms);
+        t = kda__launch_time(b1, n1, sms) + kda__launch_time(b0, n0, sms) + (warm >= 0 && i > 1 ? KDA__FZ_CHECK : 0.0);
         if (i == lo || t < best_t * 0.97) best = i, best_t = t;
     }
     kda__free(ctx, b1);
@@ -3519,32 +3543,57 @@ static double kda__fused_chunk_cost(const kda__kdesc *k) { return k->bv <= 64 ? 
  * model says it is faster (B2 T8192 H16 V256: 64 columns fill the GPU with 128 blocks
  * where 128 columns give 64), and its segments (*ns, at most cap). KDA_FUSED_BV forces kf. */
 static const kda__kdesc *kda__fused_variant(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf,
-                                            const long long *len, long long nseq, long long cap, long long *ns) {
+                                            const long long *len, long long nseq, long long cap, long long warm,
+                                            long long *ns) {
     const kda__kdesc *best = kf;
     double t, best_t;
     long long n;
     int i, optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
-    *ns = kda__fused_segments(ctx, p, kf, len, nseq, cap, &best_t);
+    *ns = kda__fused_segments(ctx, p, kf, len, nseq, cap, warm, &best_t);
     if (getenv("KDA_FUSED_BV")) return kf;
     best_t *= kda__fused_chunk_cost(kf);
     for (i = 0; i < KDA__NUM_KERNELS; i++) {
         const kda__kdesc *o = &kda__kernels[i];
         if (o == kf || !kda__fused_sibling(o, kf)) continue;
         if (optin > 0 && o->smem > optin) continue;
-        n = kda__fused_segments(ctx, p, o, len, nseq, cap, &t);
+        n = kda__fused_segments(ctx, p, o, len, nseq, cap, warm, &t);
         if (t * kda__fused_chunk_cost(o) < best_t) best = o, best_t = t * kda__fused_chunk_cost(o), *ns = n;
     }
     return best;
 }
 
+/* The bounded split (fwd_fused pass 2; its comment derives the bound): with the in-kernel
+ * l2norm, segment s > 0 runs KDA_WARMUP chunks (default 16) early from a zero state instead
+ * of waiting for its start state. Where a segment's bound fails (weak decay: some key
+ * channel keeps its state over the warm-up), the exact split's passes run for that
+ * sequence and head after it; elsewhere they end at once. KDA_SPLIT=exact turns it off.
+ * Returns the warm-up in chunks, or -1 where only the exact split applies. */
+static long long kda__fused_warmup(const kda_problem *p) {
+    const char *e = getenv("KDA_SPLIT"), *w = getenv("KDA_WARMUP");
+    if (!p->qk_l2norm || (e && !strcmp(e, "exact"))) return -1;
+    if (p->gate == KDA_GATE_LOWER_BOUND && !(p->lower_bound <= 0.0f)) return -1; /* a gate that can be > 0 */
+    return w ? (atoll(w) > 0 ? atoll(w) : 0) : 16;
+}
+/* The bounded split's kernel for fwd_fused kernel k (same dtype and tiles), or NULL */
+static const kda__kdesc *kda__fused_bounded(const kda__kdesc *k) {
+    int i;
+    for (i = 0; i < KDA__NUM_KERNELS; i++) {
+        const kda__kdesc *o = &kda__kernels[i];
+        if (!strcmp(o->stage, "fwd_fused_bounded") && o->dtype == k->dtype && o->bk == k->bk && o->bv == k->bv) return o;
+    }
+    return NULL;
+}
+
 static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_problem *p, const kda_fwd_outputs *out,
                                  const kda__kdesc *kf) {
     const kda__kdesc *kc = kda__kernel_find(ctx, KDA__STAGE_FWD_COMBINE, p);
-    long long maxlen = 0, nch, ns, sc, i, N = c->s.N, nvb;
+    long long maxlen = 0, nch, ns, sc, i, N = c->s.N, nvb, warm = kda__fused_warmup(p);
     /* a split keeps, per segment, sequence and value head, its end state and transition
-     * ([V + K][K], fz_trans) and its start state ([V][K], fz_start) */
-    size_t tb = kda__tables_size(p), bt = 0, bs = 0, trans = (size_t)N * p->HV * (p->V + p->K) * p->K * sizeof(float),
-           start = (size_t)N * p->HV * p->V * p->K * sizeof(float);
+     * ([V + K][K], fz_trans), its start state ([V][K], fz_start) and the bounded split's
+     * flag (fz_flags) */
+    size_t tb = kda__tables_size(p), bt = 0, bs = 0, bf = 0, trans = (size_t)N * p->HV * (p->V + p->K) * p->K * sizeof(float),
+           start = (size_t)N * p->HV * p->V * p->K * sizeof(float), flags = warm >= 0 ? (size_t)N * p->HV * sizeof(int) : 0,
+           slack = warm >= 0 ? 768 : 512; /* the alignment of the buffers after the tables */
     long long cap = LLONG_MAX;
     unsigned grid[3];
     void *ws = NULL;
@@ -3552,20 +3601,22 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     kda__kparams a;
     kda_status s;
     if (!kc) return KDA_ERROR_UNSUPPORTED;
+    if (!kda__fused_bounded(kf)) warm = -1; /* a render without it */
     for (i = 0; i < N; i++)
         if (c->s.len[i] > maxlen) maxlen = c->s.len[i];
     if (maxlen == 0) return KDA_OK;
     nch = (maxlen + 15) / 16;
     /* a caller's workspace bounds the segments */
-    if (ctx->workspace) cap = ctx->workspace_size > tb + 512 ? (long long)((ctx->workspace_size - tb - 512) / (trans + start)) : 0;
-    kf = kda__fused_variant(ctx, p, kf, c->s.len, N, cap, &ns);
+    if (ctx->workspace)
+        cap = ctx->workspace_size > tb + slack ? (long long)((ctx->workspace_size - tb - slack) / (trans + start + flags)) : 0;
+    kf = kda__fused_variant(ctx, p, kf, c->s.len, N, cap, warm, &ns);
     nvb = kda__fused_vblocks(kf, p);
     sc = (nch + ns - 1) / ns;
     ns = (nch + sc - 1) / sc; /* no empty segment */
-    if (ns > 1) bt = (size_t)ns * trans, bs = (size_t)ns * start;
+    if (ns > 1) bt = (size_t)ns * trans, bs = (size_t)ns * start, bf = (size_t)ns * flags;
     if (cap < LLONG_MAX) kda__log(ctx, "%s: the caller's workspace holds %lld segment(s)", kf->name, cap > 1 ? cap : 1);
-    kda__log(ctx, "%s: %lld segment(s) of %lld chunks", kf->name, ns, sc);
-    if ((s = kda__ws_acquire(ctx, tb + bt + bs + 512, &ws, &owned))) return s;
+    kda__log(ctx, "%s: %lld segment(s) of %lld chunks%s", kf->name, ns, sc, ns > 1 && warm >= 0 ? ", bounded split" : "");
+    if ((s = kda__ws_acquire(ctx, tb + bt + bs + bf + slack, &ws, &owned))) return s;
     if ((s = kda__tables_upload(ctx, c, ws))) goto done;
     c->ht = out->ht;
     c->o = out->o;
@@ -3576,6 +3627,13 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
         char *base = (char *)(((uintptr_t)ws + tb + 255) & ~(uintptr_t)255);
         a.fz_trans = (float *)base;
         a.fz_start = (float *)(((uintptr_t)base + bt + 255) & ~(uintptr_t)255);
+        if (warm >= 0) { /* every segment at once; the exact passes below only where a bound failed */
+            a.fz_flags = (int *)(((uintptr_t)a.fz_start + bs + 255) & ~(uintptr_t)255);
+            a.fz_warm = warm;
+            a.fz_mode = 2;
+            grid[0] = (unsigned)(N * ns); grid[1] = (unsigned)p->HV; grid[2] = (unsigned)nvb;
+            if ((s = ctx->dev->launch(ctx, kda__fused_bounded(kf), grid, &a))) goto done;
+        }
         a.fz_mode = 1; /* segment transitions */
         grid[0] = (unsigned)(N * ns); grid[1] = (unsigned)p->HV; grid[2] = (unsigned)(nvb + kda__fused_kblocks(kf, p));
         if ((s = ctx->dev->launch(ctx, kf, grid, &a))) goto done;

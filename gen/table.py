@@ -21,7 +21,7 @@ Launch geometry (`grid`) is named, and kda.h computes it from the problem:
   seq_head_v   (N, HV, ceil(V / bv))         one block per sequence, value head, value tile
   head         (HV, 1, 1)                    one block per value head
   fused        set by kda.h's fused forward: (N * segments, HV, column blocks) for
-               fwd_fused, (N, HV, ceil(V / 16)) for fwd_combine
+               fwd_fused and fwd_fused_bounded, (N, HV, ceil(V / 16)) for fwd_combine
 
 `threads` and `smem` (bytes of dynamic shared memory, default 0) are numbers or
 expressions in the variant's axes.
@@ -47,6 +47,9 @@ STAGES = {
     # (bv/16 state warps + 2 (bv 128) or 3 (bv 64) groups of 4 factor warps, a factor buffer
     # each; dynamic shared memory: bk 128 bv 64 takes 226 KB, which an A100 cannot give)
     "fwd_fused":   dict(axes={"dtype": ["f16", "bf16"], "bk": [64, 128], "bv": [64, 128]}, grid="fused",
+                        threads="2*bv+256+128*(bv==64)", smem="1024*(34+bk) if bv == 128 else 1024*(bk*3//2+34)"),
+    # its bounded split (every segment in one pass, warmed up; kda.h's kda__fused_warmup)
+    "fwd_fused_bounded": dict(axes={"dtype": ["f16", "bf16"], "bk": [64, 128], "bv": [64, 128]}, grid="fused",
                         threads="2*bv+256+128*(bv==64)", smem="1024*(34+bk) if bv == 128 else 1024*(bk*3//2+34)"),
     "fwd_combine": dict(axes={}, grid="fused", threads=128),
     # backward

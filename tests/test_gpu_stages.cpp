@@ -45,8 +45,9 @@ static kda_status emu_copy(kda_context *, void *dst, const void *src, size_t byt
 }
 static kda_status emu_fill(kda_context *, void *dst, int byte, size_t bytes) { memset(dst, byte, bytes); return KDA_OK; }
 static int emu_launches, emu_fused, emu_fused_bv, emu_fused_nseg; // fused launches, the last one's value tile and segments
+static std::vector<int> emu_flags; // the last bounded split's flags ([N][nseg][HV]: the bound failed)
 static kda_status emu_launch(kda_context *ctx, const kda__kdesc *k, const unsigned grid[3], const kda__kparams *a) {
-    if (!strcmp(k->stage, "fwd_fused")) emu_fused++, emu_fused_bv = k->bv, emu_fused_nseg = (int)a->fz_nseg;
+    if (!strncmp(k->stage, "fwd_fused", 9)) emu_fused++, emu_fused_bv = k->bv, emu_fused_nseg = (int)a->fz_nseg;
     for (const kda_emu_kernel &e : kda_emu_kernels)
         if (!strcmp(e.name, k->name)) {
             kda_emu_dim3 g;
@@ -55,6 +56,8 @@ static kda_status emu_launch(kda_context *ctx, const kda__kdesc *k, const unsign
             memcpy(&prm, a, sizeof prm);
             kda_emu_launch(e.fn, g, (unsigned)k->threads, prm);
             emu_launches++;
+            if (!strcmp(k->stage, "fwd_fused_bounded"))
+                emu_flags.assign(a->fz_flags, a->fz_flags + a->N * a->fz_nseg * a->HV);
             return KDA_OK;
         }
     return kda__fail(ctx, KDA_ERROR_INTERNAL, "emulator: no kernel %s", k->name);
@@ -479,6 +482,74 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
     kda_context_destroy(cpu);
 }
 
+// The bounded split (3 segments of 5 chunks, KDA_WARMUP=2): where every key channel decays
+// (head 0: g = -2 a token, 2^-92 over the warm-up) a segment keeps what its warm-up gave;
+// where one keeps its state (head 1: g = logsigmoid(randn), about 2^-3) or, with growth, a
+// gate inside segment 2 is positive, the bound fails and the exact split's passes redo that
+// head: bit for bit KDA_SPLIT=exact's o and ht. Everything within 1e-2 of the CPU's forward.
+// K = 100 leaves channels of the 128-key tile outside K, which must not enter the bound.
+static void run_fused_bounded_split(int K, bool growth) {
+    char name[96];
+    snprintf(name, sizeof name, "fused_bounded_split_K%d%s", K, growth ? "_growth" : "");
+    kda_context *cpu = t_cpu();
+    kda_problem p0 = kda_problem_default(1, 200, 1, K, 32);
+    p0.HV = 2; p0.dtype = KDA_BF16; p0.qk_l2norm = 1;
+    t_inst I;
+    t_current = "fused";
+    t_inst_init(&I, &p0, NULL, 1, 0);
+    const kda_problem &p = I.p;
+    for (int r = 0; r < p.T; r++)
+        for (int c = 0; c < K; c++) I.g[((size_t)r * p.HV + 0) * K + c] = -2.0f;
+    if (growth) I.g[((size_t)170 * p.HV + 0) * K + 3] = 0.5f; // token 170: segment 2 (chunks 10-12, tokens 160-199)
+    DevIn X;
+    dev_inputs(X, I);
+    const size_t es = kda_dtype_size(p.dtype), nst = I.ns;
+    Out o, ht, oe, hte; // CPU (c) and bounded (h); exact split (oe, hte: h)
+    o.init(I.nv * es); ht.init(nst * 4); oe.init(I.nv * es); hte.init(nst * 4);
+    setenv("KDA_SEGMENTS", "3", 1);
+    setenv("KDA_WARMUP", "2", 1);
+    setenv("KDA_FUSED_BV", "64", 1);
+#ifdef KDA_TEST_EMU
+    emu_flags.clear();
+#endif
+    for (int side = 0; side < 3; side++) { /* CPU, bounded split, exact split */
+        kda_fwd_outputs out;
+        memset(&out, 0, sizeof out);
+        out.o = side == 0 ? (void *)o.c.data() : side == 1 ? o.d : oe.d;
+        out.ht = side == 0 ? (float *)ht.c.data() : side == 1 ? (float *)ht.d : (float *)hte.d;
+        if (side) dpoison(out.o, I.nv * es), dpoison(out.ht, nst * 4);
+        setenv("KDA_SPLIT", side == 2 ? "exact" : "bounded", 1);
+        CHECK(kda_chunk_fwd(side ? g_dev : cpu, &p, side ? &X.dev : &X.host, &out) == KDA_OK, "%s: fwd (%d): %s", name, side,
+              kda_last_error(side ? g_dev : cpu));
+#ifdef KDA_TEST_EMU
+        if (side == 1) {
+            CHECK(emu_flags.size() == 3 * 2, "%s: no bounded pass ran (%zu flags)", name, emu_flags.size());
+            for (int s = 1; s < 3 && emu_flags.size() == 6; s++)
+                for (int hv = 0; hv < 2; hv++) {
+                    const int want = hv == 1 || (growth && s == 2);
+                    CHECK(emu_flags[s * 2 + hv] == want, "%s: segment %d, head %d: flag %d, want %d", name, s, hv, emu_flags[s * 2 + hv], want);
+                }
+        }
+#endif
+    }
+    unsetenv("KDA_SEGMENTS"); unsetenv("KDA_WARMUP"); unsetenv("KDA_FUSED_BV"); unsetenv("KDA_SPLIT");
+    o.fetch(); ht.fetch(); oe.fetch(); hte.fetch();
+    const double eo = err_t(o.c.data(), o.h.data(), I.nv, p.dtype), eh = err_f((float *)ht.c.data(), (float *)ht.h.data(), nst);
+    CHECK(eo <= 1e-2 && eh <= 1e-2, "%s: o error %.3g, ht error %.3g", name, eo, eh);
+    // head 1 (and head 0 with growth): the exact split's bits; o is [T][HV][V], ht [HV][K][V]
+    bool same_o = true, same_ht = true;
+    for (int hv = growth ? 0 : 1; hv < 2; hv++) {
+        for (int t = 0; t < p.T; t++)
+            same_o &= !memcmp(&o.h[((size_t)t * p.HV + hv) * p.V * es], &oe.h[((size_t)t * p.HV + hv) * p.V * es], p.V * es);
+        same_ht &= !memcmp(&ht.h[(size_t)hv * K * p.V * 4], &hte.h[(size_t)hv * K * p.V * 4], (size_t)K * p.V * 4);
+    }
+    CHECK(same_o && same_ht, "%s: where the bound failed, o (%d) and ht (%d) are not the exact split's", name, same_o, same_ht);
+    printf("  %s: o %.2e ht %.2e\n", name, eo, eh);
+    dfree_all();
+    t_inst_free(&I);
+    kda_context_destroy(cpu);
+}
+
 #ifdef KDA_TEST_EMU
 // A fused config's inputs on the host and the device, for the tests that call the
 // forward by hand; device memory is freed with them.
@@ -762,6 +833,8 @@ int main(int argc, char **argv) {
             if (gate == GATE_WIDE || !race) run_fused(cf, "1", gate, "64"), run_fused(cf, "1", gate, "128"); // --race: the splits, which run segment 0 with output too
             if (gate != GATE_WIDE) run_fused(cf, "2", gate, "64"), run_fused(cf, "3", gate, "128"); // varlen: sequences of 1, 2 and 3 segments, an empty one
         }
+        if (!race) run_fused_bounded_split(64, false), run_fused_bounded_split(100, false);
+        run_fused_bounded_split(64, true);
 #ifdef KDA_TEST_EMU
         run_fused_declines_without_shared_memory(fused_configs()[0]);
         run_fused_takes_the_tile_that_fits(fused_configs()[1]); // K = 128
