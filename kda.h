@@ -3587,7 +3587,8 @@ static const kda__kdesc *kda__fused_bounded(const kda__kdesc *k) {
 static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_problem *p, const kda_fwd_outputs *out,
                                  const kda__kdesc *kf) {
     const kda__kdesc *kc = kda__kernel_find(ctx, KDA__STAGE_FWD_COMBINE, p);
-    long long maxlen = 0, nch, ns, sc, i, N = c->s.N, nvb, warm = kda__fused_warmup(p);
+    /* the bounded split where it applies and was rendered */
+    long long maxlen = 0, nch, ns, sc, i, N = c->s.N, nvb, warm = kda__fused_bounded(kf) ? kda__fused_warmup(p) : -1;
     /* a split keeps, per segment, sequence and value head, its end state and transition
      * ([V + K][K], fz_trans), its start state ([V][K], fz_start) and the bounded split's
      * flag (fz_flags) */
@@ -3601,7 +3602,6 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     kda__kparams a;
     kda_status s;
     if (!kc) return KDA_ERROR_UNSUPPORTED;
-    if (!kda__fused_bounded(kf)) warm = -1; /* a render without it */
     for (i = 0; i < N; i++)
         if (c->s.len[i] > maxlen) maxlen = c->s.len[i];
     if (maxlen == 0) return KDA_OK;
