@@ -482,6 +482,7 @@ struct kda_context {
     void *workspace;
     size_t workspace_size;
     void *stream;
+    void *fz_memo; /* the fused forward's last plan (kda__fused_memo), NULL: none */
     char err[KDA__ERRLEN];
 };
 
@@ -970,10 +971,12 @@ kda_status kda_context_create(kda_context **out, kda_backend backend, const kda_
 struct kda__devops;
 static void kda__dev_destroy(kda_context *ctx);
 
+static void kda__fused_forget(kda_context *ctx);
 void kda_context_destroy(kda_context *ctx) {
     kda_context_options o;
     if (!ctx) return;
     kda__dev_destroy(ctx);
+    kda__fused_forget(ctx);
     o = ctx->opt;
     if (o.free) o.free(o.user, ctx);
     else KDA_FREE(ctx, o.user);
@@ -2116,7 +2119,8 @@ typedef struct kda__kparams {
     float *state_pool;
     const int32_t *slots;
     long long num_slots, pool_dtype;
-    long long fz_mode, fz_nseg, fz_seg_chunks, fz_warm;
+    long long fz_mode, fz_warm, fz_npieces, fz_nseg, fz_each;
+    const int *fz_piece;
     float *fz_start, *fz_trans;
     int *fz_flags;
 } kda__kparams;
@@ -3124,7 +3128,7 @@ static int kda__fused_shape(const kda_problem *p) {
 
 /* fwd_fused kernels a and b differ at most in their value tile */
 static int kda__fused_sibling(const kda__kdesc *a, const kda__kdesc *b) {
-    return !strcmp(a->stage, b->stage) && a->dtype == b->dtype && a->bk == b->bk;
+    return !strcmp(a->stage, b->stage) && a->dtype == b->dtype && a->bk == b->bk && a->varlen == b->varlen;
 }
 
 /* Indices of the kernels a forward, backward and decode of p use (the fused forward's
@@ -3437,11 +3441,12 @@ static const kda__kdesc *kda__fused_wanted(kda_context *ctx, const kda_problem *
 static long long kda__fused_vblocks(const kda__kdesc *k, const kda_problem *p) { return (p->V + k->bv - 1) / k->bv; }
 static long long kda__fused_kblocks(const kda__kdesc *k, const kda_problem *p) { return (p->K + k->bv - 1) / k->bv; }
 
-/* The time of one launch in the segment model: nb kinds of blocks (chunks + 12 each,
- * count) on sms multiprocessors, one block each: the greater of the work per
- * multiprocessor and, for every j, j + 1 times the (j sms + 1)-th longest block (some
- * multiprocessor runs j + 1 of the j sms + 1 longest). A lower bound of any schedule's
- * end, which is (waves) * (length) for blocks of one length. */
+/* ---- the fused forward's plan: every sequence cut into pieces (segments) of whole 16-token
+ * chunks, and the order in which their blocks launch */
+
+/* n blocks of d chunks each: a piece's chunks (its warm-up included) + 12, where 12 chunks
+ * stand for a block's fixed costs (state in and out, the pipeline's fill, the combine),
+ * fitted to an H100 sweep of 1..16 segments of fixed-length batches */
 typedef struct {
     double d;
     long long n;
@@ -3450,86 +3455,207 @@ static int kda__blocks_longer(const void *a, const void *b) {
     double x = ((const kda__blocks *)a)->d, y = ((const kda__blocks *)b)->d;
     return x < y ? 1 : x > y ? -1 : 0;
 }
-static double kda__launch_time(kda__blocks *b, long long nb, int sms) {
-    double work = 0.0, t = 0.0;
-    long long i, seen = 0, j = 0;
+
+/* The end of one launch of nb kinds of blocks on sms multiprocessors that run one block each,
+ * as the GPU hands them out: longest first (the piece table's launch order), each block to the
+ * multiprocessor that frees first; where every multiprocessor ends within one block of the
+ * others, a whole round of blocks goes one to each. Past 4 blocks a multiprocessor the order
+ * matters little and the work per multiprocessor stands in (no block-by-block walk on the
+ * host for thousands of sequences). h: sms doubles of scratch, a min-heap of end times. */
+static double kda__launch_time(kda__blocks *b, long long nb, int sms, double *h) {
+    double work = 0.0, base = 0.0, top = 0.0;
+    long long i, n, blocks = 0;
+    int j;
+    for (i = 0; i < nb; i++) work += b[i].d * (double)b[i].n, blocks += b[i].n;
+    if (blocks > 4LL * sms) return work / sms;
     qsort(b, (size_t)nb, sizeof *b, kda__blocks_longer);
+    for (j = 0; j < sms; j++) h[j] = 0.0; /* end times past base */
     for (i = 0; i < nb; i++) {
-        work += b[i].d * (double)b[i].n;
-        for (seen += b[i].n; j * sms < seen; j++) /* the (j sms + 1)-th longest is one of these */
-            t = (double)(j + 1) * b[i].d > t ? (double)(j + 1) * b[i].d : t;
+        if (i + 1 < nb && b[i + 1].d == b[i].d) { /* one kind a length, for the whole rounds */
+            b[i + 1].n += b[i].n;
+            continue;
+        }
+        for (n = b[i].n; n > 0;) {
+            double e;
+            int at = 0;
+            if (n >= sms && top - h[0] < b[i].d) { /* whole rounds keep the order: one block each */
+                base += (double)(n / sms) * b[i].d;
+                n %= sms;
+                continue;
+            }
+            e = h[0] + b[i].d; /* the first to free takes one: sift it down */
+            top = e > top ? e : top;
+            for (;;) {
+                int c = 2 * at + 1;
+                if (c >= sms) break;
+                if (c + 1 < sms && h[c + 1] < h[c]) c++;
+                if (h[c] >= e) break;
+                h[at] = h[c], at = c;
+            }
+            h[at] = e;
+            n--;
+        }
     }
-    return work / sms > t ? work / sms : t;
+    return base + top;
 }
 
-/* Segments of the longest sequence for fwd_fused kernel kf, and the model's time for
- * them (in chunks of kf). Segments are sc = ceil(maxnch / ns) chunks long; a sequence of
- * nch chunks has s = ceil(nch / sc) of them (at least 1). The bounded split (warm >= 0)
- * runs every segment in one pass, segment s > 0 with up to warm chunks more, and adds
- * KDA__FZ_CHECK chunks for the exact passes' launches, which end at once where every
- * bound held (an estimate: three launches of a few microseconds). The exact split runs a
- * transition pass of, per split sequence and value head, segment 0 (its output and end
- * state) and the segments between the first and the last (V and K column blocks), then
- * an output pass of the other segments and the unsplit sequences (V blocks; short
- * sequences there leave the transition pass to the long ones), one block per
- * multiprocessor (the fused kernel's registers allow no more), each pass timed by
- * kda__launch_time. A block takes its chunks + 12, where 12 chunks stand for a segment's
- * fixed costs (state in and out, the combine), fitted to an H100 sweep of 1..16 segments
- * of fixed-length batches. Segments keep at least 8 chunks, a split stops where its
- * blocks pass 4 waves, ties go to fewer segments, and KDA_SEGMENTS=n forces n (tests,
- * tuning); neither passes cap, the segments the workspace holds. */
-#define KDA__FZ_CHECK 6.0
-static long long kda__fused_segments(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const long long *len,
-                                     long long nseq, long long cap, long long warm, double *time) {
-    const char *env = getenv("KDA_SEGMENTS");
-    long long nvb = kda__fused_vblocks(kf, p), nkb = kda__fused_kblocks(kf, p), maxnch = 0, HV = p->HV;
-    long long ns = env ? atoi(env) : 0, best = 1, i, n, lo = 1, hi = 64;
-    int sms = ctx->dev->sm_count ? ctx->dev->sm_count(ctx) : 0;
-    double best_t = 0.0;
-    kda__blocks *b1 = (kda__blocks *)kda__alloc(ctx, sizeof(kda__blocks) * 5 * (size_t)(nseq > 0 ? nseq : 1)), *b0;
-    if (!b1) { /* no model: unsplit */
-        if (time) *time = 1.0;
-        return 1;
+/* Cuts a sequence of nch chunks into at most sn pieces; returns how many (at least 1) and
+ * puts their first chunks in first[]. In the bounded split (warm > 0) piece s > 0 also runs
+ * up to warm chunks before its first, so piece 0 takes that many more and every piece runs
+ * kda__fz_each chunks, the last at most that many (kda_common's kda_fz_span cuts alike). */
+static long long kda__fz_each(long long nch, long long sn, long long warm) {
+    return (nch + (sn - 1) * (warm > 0 ? warm : 0) + sn - 1) / sn;
+}
+static long long kda__fz_cut(long long nch, long long sn, long long warm, int *first) {
+    long long w = warm > 0 ? warm : 0, each, cb = 0, s;
+    if (sn < 1) sn = 1;
+    each = kda__fz_each(nch, sn, warm);
+    first[0] = 0;
+    for (s = 0; s < sn && (s == 0 || cb < nch); s++) {
+        long long n = each - (s ? (cb < w ? cb : w) : 0);
+        first[s] = (int)cb;
+        cb += n > 1 ? n : 1;
     }
-    b0 = b1 + nseq; /* b1: a block kind a sequence, b0: up to four */
+    return s;
+}
+
+/* A plan: candidate cand (kda__fused_plan), its np pieces (at most nseg of one sequence),
+ * the model's time in chunks, and, varlen, the piece table (kda_common's kda_fz_base; with
+ * fixed lengths every sequence has nseg pieces of each chunks, kda_fz_span) */
+typedef struct {
+    long long cand, np, nseg, each;
+    double time;
+    int *tab;
+} kda__fz_plan;
+
+/* The pieces of candidate i (sequences of nch chunks in pieces no longer than the longest's
+ * in i, kda__fz_sn of them, at most 64) into f (first chunks) and q (sequences), or only
+ * counted where f is NULL; returns their number, *nseg the most of one sequence */
+static long long kda__fz_sn(long long nch, long long maxnch, long long i) {
+    long long sc = (maxnch + i - 1) / i, sn;
+    sn = (nch + (sc > 1 ? sc : 1) - 1) / (sc > 1 ? sc : 1);
+    return sn < 1 ? 1 : sn < 64 ? sn : 64;
+}
+static long long kda__fz_pieces(const long long *len, long long nseq, long long maxnch, long long i, long long warm,
+                                int *f, int *q, long long *nseg) {
+    long long n, np = 0;
+    int scratch[64];
+    *nseg = 1;
+    for (n = 0; n < nseq; n++) {
+        long long nch = (len[n] + 15) / 16, k, sn = kda__fz_cut(nch, kda__fz_sn(nch, maxnch, i), warm, f ? f + np : scratch);
+        for (k = 0; q && k < sn; k++) q[np + k] = (int)n;
+        np += sn;
+        if (sn > *nseg) *nseg = sn;
+    }
+    return np;
+}
+
+/* The model's time of the pieces: the bounded split (warm >= 0) runs each piece once, piece
+ * s > 0 with its warm-up, plus KDA__FZ_CHECK chunks for the exact passes' launches, which end
+ * at once where every bound held (an estimate: three launches of a few microseconds). The
+ * exact split runs a transition pass of every piece but a sequence's last (V and K column
+ * blocks; V only for piece 0, which also writes its output), then an output pass of the
+ * pieces after the first, and of the sequences of one piece. */
+#define KDA__FZ_CHECK 6.0
+static double kda__fz_time(const kda_problem *p, const kda__kdesc *kf, const long long *len, long long np, const int *f,
+                           const int *q, long long warm, int sms, kda__blocks *b1, kda__blocks *b0, double *h) {
+    long long nvb = kda__fused_vblocks(kf, p), nkb = kda__fused_kblocks(kf, p), i, n0 = 0, n1 = 0, split = 0;
+    for (i = 0; i < np; i++) {
+        long long nch = (len[q[i]] + 15) / 16, s0 = i == 0 || q[i - 1] != q[i], last = i + 1 == np || q[i + 1] != q[i];
+        long long cb = f[i], ce = last ? nch : f[i + 1], cw = warm >= 0 && !s0 ? (cb > warm ? cb - warm : 0) : cb;
+        double d = (double)(ce - cw) + 12.0;
+        split |= !(s0 && last);
+        if (warm >= 0 || (s0 && last) || !s0) b0[n0].d = d, b0[n0++].n = nvb * p->HV;
+        if (warm < 0 && !last) b1[n1].d = d, b1[n1++].n = (s0 ? nvb : nvb + nkb) * p->HV;
+    }
+    return kda__launch_time(b0, n0, sms, h) + (n1 ? kda__launch_time(b1, n1, sms, h) : 0.0) +
+           (warm >= 0 && split ? KDA__FZ_CHECK : 0.0);
+}
+
+/* The plan for fwd_fused kernel kf: candidate i cuts the longest sequence into i pieces and
+ * every other into pieces no longer than those. Within one count of waves (blocks per
+ * multiprocessor, rounded up) more pieces are shorter, so the model times only the last
+ * candidate of each count (and i = 1), and the fastest wins (ties within 3% go to fewer
+ * pieces): a few walks of a few hundred blocks a call. Pieces keep at least 8 chunks,
+ * candidates stop where their blocks pass 4 waves, KDA_SEGMENTS=n forces candidate n
+ * (tests, tuning), and cap bounds the pieces of a split (what the workspace holds). */
+static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const long long *len,
+                                  long long nseq, long long cap, long long warm, kda__fz_plan *pl) {
+    const char *env = getenv("KDA_SEGMENTS");
+    long long maxnch = 0, n, i, lo, hi = 64, np, next, nseg, room, per = kda__fused_vblocks(kf, p) * p->HV;
+    int sms = ctx->dev->sm_count ? ctx->dev->sm_count(ctx) : 0, *f, *q;
+    kda__blocks *b;
+    double *h, t;
+    char *mem;
+    memset(pl, 0, sizeof *pl);
+    pl->cand = 1;
     if (sms <= 0) sms = 1;
     for (n = 0; n < nseq; n++)
         if ((len[n] + 15) / 16 > maxnch) maxnch = (len[n] + 15) / 16;
-    if (ns > 0) lo = hi = ns > maxnch ? (maxnch > 0 ? maxnch : 1) : ns; /* forced: its time only */
-    if (hi > cap) hi = cap > 1 ? cap : 1;
-    if (lo > hi) lo = hi;
-    for (i = lo; i <= hi && (i == lo || i <= (maxnch + 7) / 8); i++) {
-        long long sc = (maxnch + i - 1) / i, n1 = 0, n0 = 0, blocks = 0;
-        double t;
-        if (sc < 1) sc = 1;
-        for (n = 0; n < nseq; n++) {
-            long long nch = (len[n] + 15) / 16, sn = (nch + sc - 1) / sc;
-            if (sn <= 1) { /* unsplit: the output pass alone */
-                b0[n0].d = (double)nch + 12.0, b0[n0++].n = nvb * HV;
-                blocks += nvb * HV;
-                continue;
-            }
-            if (warm >= 0) { /* bounded: segment 0, the second (its warm-up may reach token 0), the rest, the last */
-                long long w1 = warm < sc ? warm : sc, wl = (nch - (sn - 1) * sc) + (warm < (sn - 1) * sc ? warm : (sn - 1) * sc);
-                b0[n0].d = (double)sc + 12.0, b0[n0++].n = nvb * HV;
-                if (sn > 2) b0[n0].d = (double)(sc + w1) + 12.0, b0[n0++].n = nvb * HV;
-                if (sn > 3) b0[n0].d = (double)(sc + (warm < 2 * sc ? warm : 2 * sc)) + 12.0, b0[n0++].n = (sn - 3) * nvb * HV;
-                b0[n0].d = (double)wl + 12.0, b0[n0++].n = nvb * HV;
-                blocks += sn * nvb * HV;
-                continue;
-            }
-            b1[n1].d = (double)sc + 12.0, b1[n1++].n = (nvb + (sn - 2) * (nvb + nkb)) * HV; /* segment 0, the middle */
-            b0[n0].d = (double)(nch - (sn - 1) * sc) + 12.0, b0[n0++].n = nvb * HV;        /* the last */
-            if (sn > 2) b0[n0].d = (double)sc + 12.0, b0[n0++].n = (sn - 2) * nvb * HV;  /* the middle */
-            blocks += (2 * nvb + (sn - 2) * (2 * nvb + nkb)) * HV;
-        }
-        if (i > lo && blocks > 4LL * sms) break; /* more segments only add work */
-        t = kda__launch_time(b1, n1, sms) + kda__launch_time(b0, n0, sms) + (warm >= 0 && i > 1 ? KDA__FZ_CHECK : 0.0);
-        if (i == lo || t < best_t * 0.97) best = i, best_t = t;
+    if (env && atoi(env) > 0) { /* forced: as many as the workspace holds */
+        for (i = atoi(env) < maxnch ? atoi(env) : (maxnch > 1 ? maxnch : 1); i > 1; i--)
+            if (kda__fz_pieces(len, nseq, maxnch, i, warm, NULL, NULL, &nseg) <= cap) break;
+        hi = pl->cand = i;
+    } else if (hi > (maxnch + 7) / 8) {
+        hi = (maxnch + 7) / 8 > 1 ? (maxnch + 7) / 8 : 1;
     }
-    kda__free(ctx, b1);
-    if (time) *time = best_t;
-    return best;
+    room = nseq * hi + 1; /* pieces of any candidate */
+    mem = (char *)kda__alloc(ctx, (size_t)room * (2 * sizeof(kda__blocks) + 2 * sizeof(int)) + (size_t)sms * sizeof(double));
+    if (!mem) return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "fused forward: no memory for its plan of %lld pieces", room);
+    b = (kda__blocks *)mem;
+    h = (double *)(b + 2 * room);
+    f = (int *)(h + sms);
+    q = f + room;
+    lo = pl->cand;
+    np = kda__fz_pieces(len, nseq, maxnch, lo, warm, NULL, NULL, &nseg);
+    for (i = lo; i <= hi; i++, np = next) {
+        next = i < hi ? kda__fz_pieces(len, nseq, maxnch, i + 1, warm, NULL, NULL, &nseg) : 0;
+        if (i > lo && (np > cap || np * per > 4LL * sms)) break; /* more only adds work */
+        if (i > 1 && i < hi && next <= cap && next * per <= 4LL * sms && (next * per + sms - 1) / sms == (np * per + sms - 1) / sms)
+            continue; /* the next has as many waves */
+        np = kda__fz_pieces(len, nseq, maxnch, i, warm, f, q, &nseg);
+        t = kda__fz_time(p, kf, len, np, f, q, warm, sms, b, b + room, h);
+        if (i == lo || t < pl->time * 0.97) pl->cand = i, pl->time = t;
+    }
+    pl->np = kda__fz_pieces(len, nseq, maxnch, pl->cand, warm, NULL, NULL, &pl->nseg);
+    pl->each = kda__fz_each(maxnch, kda__fz_sn(maxnch, maxnch, pl->cand), warm); /* (fixed lengths: all the longest) */
+    kda__free(ctx, mem);
+    return KDA_OK;
+}
+
+/* The piece table of plan pl (its candidate): pieces in launch order, longest first (by
+ * their chunks, warm-up included). Varlen only (fixed lengths: NULL); kda__free it. */
+static kda_status kda__fused_table(kda_context *ctx, const kda_problem *p, const long long *len, long long nseq,
+                                   long long warm, kda__fz_plan *pl) {
+    long long i, r, maxnch = 0, nseg;
+    kda__blocks *b;
+    int *tab, *f, *q;
+    if (p->num_seqs == 0) return KDA_OK;
+    for (i = 0; i < nseq; i++)
+        if ((len[i] + 15) / 16 > maxnch) maxnch = (len[i] + 15) / 16;
+    b = (kda__blocks *)kda__alloc(ctx, sizeof(kda__blocks) * (size_t)pl->np);
+    tab = (int *)kda__alloc(ctx, sizeof(int) * (size_t)(3 * pl->np + nseq + 1));
+    if (!b || !tab) {
+        kda__free(ctx, b);
+        kda__free(ctx, tab);
+        return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "fused forward: no memory for a piece table of %lld pieces", pl->np);
+    }
+    q = tab + pl->np, f = tab + 2 * pl->np; /* each slot's sequence and first chunk */
+    kda__fz_pieces(len, nseq, maxnch, pl->cand, warm, f, q, &nseg);
+    for (i = 0; i < pl->np; i++) {
+        long long nch = (len[q[i]] + 15) / 16, last = i + 1 == pl->np || q[i + 1] != q[i];
+        long long cb = f[i], ce = last ? nch : f[i + 1], cw = warm >= 0 && i && q[i - 1] == q[i] ? (cb > warm ? cb - warm : 0) : cb;
+        b[i].d = (double)(ce - cw), b[i].n = i;
+    }
+    qsort(b, (size_t)pl->np, sizeof *b, kda__blocks_longer);
+    for (i = 0, r = 0; i < pl->np; i++) {
+        tab[i] = (int)b[i].n;
+        while (r <= q[i]) tab[3 * pl->np + r++] = (int)i; /* the first piece of sequences r..q[i] */
+    }
+    while (r <= nseq) tab[3 * pl->np + r++] = (int)pl->np;
+    kda__free(ctx, b);
+    pl->tab = tab;
+    return KDA_OK;
 }
 
 /* A chunk's time in fwd_fused kernel k relative to the 128-column kernel: the 64-column
@@ -3539,27 +3665,81 @@ static long long kda__fused_segments(kda_context *ctx, const kda_problem *p, con
  * the fastest on B1 T8192 H32, B1 T65536 H16, V=256 and the varlen batch. */
 static double kda__fused_chunk_cost(const kda__kdesc *k) { return k->bv <= 64 ? 0.8 : 1.0; }
 
-/* The value tile: kf (kda__fused_wanted's pick) or a sibling with another, where the
- * model says it is faster (B2 T8192 H16 V256: 64 columns fill the GPU with 128 blocks
- * where 128 columns give 64), and its segments (*ns, at most cap). KDA_FUSED_BV forces kf. */
+/* The value tile: kf (kda__fused_wanted's pick) or a sibling with another, where the model
+ * says it is faster (B2 T8192 H16 V256: 64 columns fill the GPU with 128 blocks where 128
+ * columns give 64), and its plan with its piece table. KDA_FUSED_BV forces kf. */
 static const kda__kdesc *kda__fused_variant(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf,
                                             const long long *len, long long nseq, long long cap, long long warm,
-                                            long long *ns) {
+                                            kda__fz_plan *pl, kda_status *st) {
     const kda__kdesc *best = kf;
-    double t, best_t;
-    long long n;
+    kda__fz_plan o_pl;
     int i, optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
-    *ns = kda__fused_segments(ctx, p, kf, len, nseq, cap, warm, &best_t);
-    if (getenv("KDA_FUSED_BV")) return kf;
-    best_t *= kda__fused_chunk_cost(kf);
-    for (i = 0; i < KDA__NUM_KERNELS; i++) {
+    if ((*st = kda__fused_plan(ctx, p, kf, len, nseq, cap, warm, pl))) return NULL;
+    pl->time *= kda__fused_chunk_cost(kf);
+    for (i = getenv("KDA_FUSED_BV") ? KDA__NUM_KERNELS : 0; i < KDA__NUM_KERNELS; i++) {
         const kda__kdesc *o = &kda__kernels[i];
-        if (o == kf || !kda__fused_sibling(o, kf)) continue;
-        if (optin > 0 && o->smem > optin) continue;
-        n = kda__fused_segments(ctx, p, o, len, nseq, cap, warm, &t);
-        if (t * kda__fused_chunk_cost(o) < best_t) best = o, best_t = t * kda__fused_chunk_cost(o), *ns = n;
+        if (o == kf || !kda__fused_sibling(o, kf) || (optin > 0 && o->smem > optin)) continue;
+        if ((*st = kda__fused_plan(ctx, p, o, len, nseq, cap, warm, &o_pl))) return NULL;
+        o_pl.time *= kda__fused_chunk_cost(o);
+        if (o_pl.time < pl->time) best = o, *pl = o_pl;
     }
+    *st = kda__fused_table(ctx, p, len, nseq, warm, pl);
     return best;
+}
+
+/* The fused forward's last plan and what it was made for. Planning takes tens of
+ * microseconds of host time a call (an H100 host: 10-45 fixed lengths, 60-100 varlen,
+ * 2026-11-25), as long as a small forward's kernels; repeated calls (fixed shapes, the same
+ * varlen batch) reuse it. The key is everything the plan reads: the problem's shape, the
+ * lengths, the warm-up, the workspace's cap, the device's shared memory, and the tuning
+ * variables KDA_SEGMENTS and KDA_FUSED_BV. */
+typedef struct {
+    const kda__kdesc *asked, *chosen;
+    long long N, HV, K, V, varlen, warm, cap, optin, segments, bv, *len;
+    kda__fz_plan pl;
+} kda__fz_memo;
+static void kda__fused_forget(kda_context *ctx) {
+    kda__fz_memo *m = (kda__fz_memo *)ctx->fz_memo;
+    if (!m) return;
+    kda__free(ctx, m->pl.tab);
+    kda__free(ctx, m->len);
+    kda__free(ctx, m);
+    ctx->fz_memo = NULL;
+}
+/* kda__fused_variant through the memo: *pl's table belongs to the context (do not free it) */
+static const kda__kdesc *kda__fused_memo(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const long long *len,
+                                         long long nseq, long long cap, long long warm, kda__fz_plan *pl, kda_status *st) {
+    const char *es = getenv("KDA_SEGMENTS"), *eb = getenv("KDA_FUSED_BV");
+    kda__fz_memo key, *m = (kda__fz_memo *)ctx->fz_memo;
+    const kda__kdesc *k;
+    memset(&key, 0, sizeof key);
+    key.asked = kf, key.N = nseq, key.HV = p->HV, key.K = p->K, key.V = p->V, key.varlen = p->num_seqs > 0;
+    key.warm = warm, key.cap = cap, key.optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
+    key.segments = es ? atoll(es) : -1, key.bv = eb ? atoll(eb) : -1;
+    if (m && m->asked == key.asked && m->N == key.N && m->HV == key.HV && m->K == key.K && m->V == key.V &&
+        m->varlen == key.varlen && m->warm == key.warm && m->cap == key.cap && m->optin == key.optin &&
+        m->segments == key.segments && m->bv == key.bv && !memcmp(m->len, len, sizeof(long long) * (size_t)nseq)) {
+        *pl = m->pl;
+        *st = KDA_OK;
+        return m->chosen;
+    }
+    kda__fused_forget(ctx);
+    if (!(k = kda__fused_variant(ctx, p, kf, len, nseq, cap, warm, pl, st)) || *st) return k;
+    m = (kda__fz_memo *)kda__alloc(ctx, sizeof *m);
+    key.len = (long long *)kda__alloc(ctx, sizeof(long long) * (size_t)(nseq > 0 ? nseq : 1));
+    if (!m || !key.len) { /* the plan cannot be kept: fail rather than leak its table */
+        kda__free(ctx, m);
+        kda__free(ctx, key.len);
+        kda__free(ctx, pl->tab);
+        pl->tab = NULL;
+        *st = kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "fused forward: no memory to keep its plan");
+        return NULL;
+    }
+    memcpy(key.len, len, sizeof(long long) * (size_t)nseq);
+    key.chosen = k, key.pl = *pl;
+    *m = key;
+    ctx->fz_memo = m;
+    return k;
 }
 
 /* The bounded split (fwd_fused pass 2; its comment derives the bound): with the in-kernel
@@ -3579,7 +3759,9 @@ static const kda__kdesc *kda__fused_bounded(const kda__kdesc *k) {
     int i;
     for (i = 0; i < KDA__NUM_KERNELS; i++) {
         const kda__kdesc *o = &kda__kernels[i];
-        if (!strcmp(o->stage, "fwd_fused_bounded") && o->dtype == k->dtype && o->bk == k->bk && o->bv == k->bv) return o;
+        if (!strcmp(o->stage, "fwd_fused_bounded") && o->dtype == k->dtype && o->bk == k->bk && o->bv == k->bv &&
+            o->varlen == k->varlen)
+            return o;
     }
     return NULL;
 }
@@ -3588,61 +3770,76 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
                                  const kda__kdesc *kf) {
     const kda__kdesc *kc = kda__kernel_find(ctx, KDA__STAGE_FWD_COMBINE, p);
     /* the bounded split where it applies and was rendered */
-    long long maxlen = 0, nch, ns, sc, i, N = c->s.N, nvb, warm = kda__fused_bounded(kf) ? kda__fused_warmup(p) : -1;
-    /* a split keeps, per segment, sequence and value head, its end state and transition
-     * ([V + K][K], fz_trans), its start state ([V][K], fz_start) and the bounded split's
-     * flag (fz_flags) */
-    size_t tb = kda__tables_size(p), bt = 0, bs = 0, bf = 0, trans = (size_t)N * p->HV * (p->V + p->K) * p->K * sizeof(float),
-           start = (size_t)N * p->HV * p->V * p->K * sizeof(float), flags = warm >= 0 ? (size_t)N * p->HV * sizeof(int) : 0,
-           slack = warm >= 0 ? 768 : 512; /* the alignment of the buffers after the tables */
+    long long maxlen = 0, i, N = c->s.N, nvb, ncb, warm = kda__fused_bounded(kf) ? kda__fused_warmup(p) : -1;
+    /* a split keeps, per piece and value head, its end state and transition ([V + K][K],
+     * fz_trans), its start state ([V][K], fz_start) and the bounded split's flag (fz_flags);
+     * the piece table takes 3 ints a piece and one a sequence, and slack the alignment of
+     * the five buffers after the tables */
+    size_t tb = kda__tables_size(p), trans = (size_t)p->HV * (p->V + p->K) * p->K * sizeof(float),
+           start = (size_t)p->HV * p->V * p->K * sizeof(float), flags = warm >= 0 ? (size_t)p->HV * sizeof(int) : 0,
+           slack = 1280, fixed = tb + slack + sizeof(int) * (size_t)(N + 1), bt = 0, bs = 0, bf = 0;
     long long cap = LLONG_MAX;
     unsigned grid[3];
     void *ws = NULL;
     int owned = 0;
+    char *at;
+    kda__fz_plan pl;
     kda__kparams a;
     kda_status s;
     if (!kc) return KDA_ERROR_UNSUPPORTED;
     for (i = 0; i < N; i++)
         if (c->s.len[i] > maxlen) maxlen = c->s.len[i];
     if (maxlen == 0) return KDA_OK;
-    nch = (maxlen + 15) / 16;
-    /* a caller's workspace bounds the segments */
+    /* a caller's workspace bounds the pieces */
     if (ctx->workspace)
-        cap = ctx->workspace_size > tb + slack ? (long long)((ctx->workspace_size - tb - slack) / (trans + start + flags)) : 0;
-    kf = kda__fused_variant(ctx, p, kf, c->s.len, N, cap, warm, &ns);
+        cap = ctx->workspace_size > fixed ? (long long)((ctx->workspace_size - fixed) / (trans + start + flags + 3 * sizeof(int))) : 0;
+    kf = kda__fused_memo(ctx, p, kf, c->s.len, N, cap, warm, &pl, &s);
+    if (s) return s;
     nvb = kda__fused_vblocks(kf, p);
-    sc = (nch + ns - 1) / ns;
-    ns = (nch + sc - 1) / sc; /* no empty segment */
-    if (ns > 1) bt = (size_t)ns * trans, bs = (size_t)ns * start, bf = (size_t)ns * flags;
-    if (cap < LLONG_MAX) kda__log(ctx, "%s: the caller's workspace holds %lld segment(s)", kf->name, cap > 1 ? cap : 1);
-    kda__log(ctx, "%s: %lld segment(s) of %lld chunks%s", kf->name, ns, sc, ns > 1 && warm >= 0 ? ", bounded split" : "");
-    if ((s = kda__ws_acquire(ctx, tb + bt + bs + bf + slack, &ws, &owned))) return s;
+    if (pl.np > N) bt = (size_t)pl.np * trans, bs = (size_t)pl.np * start, bf = (size_t)pl.np * flags;
+    if (cap < LLONG_MAX) kda__log(ctx, "%s: the caller's workspace holds %lld piece(s)", kf->name, cap);
+    kda__log(ctx, "%s: %lld piece(s) for %lld sequence(s), at most %lld a sequence%s", kf->name, pl.np, N, pl.nseg,
+             pl.np > N && warm >= 0 ? ", bounded split" : "");
+    if ((s = kda__ws_acquire(ctx, fixed + bt + bs + bf + (pl.tab ? 3 * sizeof(int) * (size_t)pl.np : 0), &ws, &owned)))
+        goto done;
     if ((s = kda__tables_upload(ctx, c, ws))) goto done;
     c->ht = out->ht;
     c->o = out->o;
     kda__kparams_fill(&a, c);
-    a.fz_nseg = ns;
-    a.fz_seg_chunks = sc;
-    if (ns > 1) {
-        char *base = (char *)(((uintptr_t)ws + tb + 255) & ~(uintptr_t)255);
-        a.fz_trans = (float *)base;
-        a.fz_start = (float *)(((uintptr_t)base + bt + 255) & ~(uintptr_t)255);
-        if (warm >= 0) { /* every segment at once; the exact passes below only where a bound failed */
-            a.fz_flags = (int *)(((uintptr_t)a.fz_start + bs + 255) & ~(uintptr_t)255);
-            a.fz_warm = warm;
+    at = (char *)ws + tb;
+#define KDA__FZ_BUF(bytes) (at = (char *)(((uintptr_t)at + 255) & ~(uintptr_t)255), at += (bytes), at - (bytes))
+    a.fz_npieces = pl.np;
+    if (pl.tab) { /* pageable: staged before the copy returns, so the table can go */
+        a.fz_piece = (const int *)KDA__FZ_BUF(sizeof(int) * (size_t)(3 * pl.np + N + 1));
+        if ((s = ctx->dev->copy(ctx, (void *)a.fz_piece, pl.tab, sizeof(int) * (size_t)(3 * pl.np + N + 1), KDA__H2D))) goto done;
+    }
+    a.fz_nseg = pl.nseg; /* fixed lengths: every sequence's pieces (kda_fz_span) */
+    a.fz_each = pl.each;
+    a.fz_warm = warm > 0 ? warm : 0; /* (the cut's too) */
+    /* grid: (launch rank, column block, value head) in x with a table, else (sequence and piece, value head, column block) */
+#define KDA__FZ_GRID(ncols) (grid[0] = (unsigned)(pl.tab ? pl.np * p->HV * (ncols) : pl.np), grid[1] = pl.tab ? 1u : (unsigned)p->HV, \
+                             grid[2] = pl.tab ? 1u : (unsigned)(ncols))
+    if (pl.np > N) {
+        a.fz_trans = (float *)KDA__FZ_BUF(bt);
+        a.fz_start = (float *)KDA__FZ_BUF(bs);
+        if (warm >= 0) { /* every piece at once; the exact passes below only where a bound failed */
+            a.fz_flags = (int *)KDA__FZ_BUF(bf);
             a.fz_mode = 2;
-            grid[0] = (unsigned)(N * ns); grid[1] = (unsigned)p->HV; grid[2] = (unsigned)nvb;
+            KDA__FZ_GRID(nvb);
             if ((s = ctx->dev->launch(ctx, kda__fused_bounded(kf), grid, &a))) goto done;
         }
         a.fz_mode = 1; /* segment transitions */
-        grid[0] = (unsigned)(N * ns); grid[1] = (unsigned)p->HV; grid[2] = (unsigned)(nvb + kda__fused_kblocks(kf, p));
+        ncb = nvb + kda__fused_kblocks(kf, p);
+        KDA__FZ_GRID(ncb);
         if ((s = ctx->dev->launch(ctx, kf, grid, &a))) goto done;
-        grid[0] = (unsigned)N; grid[2] = (unsigned)((p->V + 15) / 16);
+        grid[0] = (unsigned)N; grid[1] = (unsigned)p->HV; grid[2] = (unsigned)((p->V + 15) / 16);
         if ((s = ctx->dev->launch(ctx, kc, grid, &a))) goto done;
     }
     a.fz_mode = 0; /* the output pass */
-    grid[0] = (unsigned)(N * ns); grid[1] = (unsigned)p->HV; grid[2] = (unsigned)nvb;
+    KDA__FZ_GRID(nvb);
     s = ctx->dev->launch(ctx, kf, grid, &a);
+#undef KDA__FZ_GRID
+#undef KDA__FZ_BUF
 done:
     kda__ws_release(ctx, ws, owned);
     return s;

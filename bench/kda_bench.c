@@ -32,7 +32,9 @@
  * default stream (the stream kda uses unless kda_set_stream says otherwise), 2
  * warm-up calls, then --reps timed calls (default 10), each between two events.
  * The lines carry the CPU lines' fields ("threads" is null) plus
- *     "gpu": device name, "bytes": the model below, "gbps": bytes / ms_median,
+ *     "gpu": device name, "host_ms": the median time of one call on the host (what kda
+ *     does before its kernels run: checks, the plan, launches; the GPU waits for it here),
+ *     "bytes": the model below, "gbps": bytes / ms_median,
  *     "peak_gbps": the copy bandwidth the roofline uses (4300, an H200's device
  *     copy; --peak-gbps overrides it), "roofline_fraction": (bytes / peak) / ms_median.
  * Bytes model: each tensor the operation must touch, once:
@@ -423,11 +425,12 @@ static void cu_close(void)
 }
 
 /* 2 warm-up calls, then reps calls each between two events on the default
- * stream. 0 with *med, *mn set; -1 with gpu_err set. */
+ * stream. 0 with *med, *mn and g_host_ms set; -1 with gpu_err set. */
+static double g_host_ms; /* the median time one call takes on the host (gpu_time's last) */
 static int gpu_time(kda_context *ctx, op_fn fn, const char *name, const kda_problem *p, const kda_inputs *in,
                     const void *outs, int reps, double *med, double *mn)
 {
-    double *ms = xmalloc(sizeof(double) * reps);
+    double *ms = xmalloc(sizeof(double) * reps), *host = xmalloc(sizeof(double) * reps);
     kda_status st;
     cu_result r = 0;
     int rc = -1;
@@ -439,8 +442,11 @@ static int gpu_time(kda_context *ctx, op_fn fn, const char *name, const kda_prob
     }
     for (int i = 0; i < reps; i++) {
         float t = 0;
+        double h0;
         if ((r = cu.event_record(cu.ev[0], NULL))) goto cu_fail;
+        h0 = now_ms();
         if ((st = fn(ctx, p, in, outs)) != KDA_OK) goto kda_fail;
+        host[i] = now_ms() - h0;
         if ((r = cu.event_record(cu.ev[1], NULL)) || (r = cu.event_sync(cu.ev[1])) ||
             (r = cu.event_elapsed(&t, cu.ev[0], cu.ev[1])))
             goto cu_fail;
@@ -448,6 +454,7 @@ static int gpu_time(kda_context *ctx, op_fn fn, const char *name, const kda_prob
     }
     *med = median(ms, reps);
     *mn = ms[0];
+    g_host_ms = median(host, reps);
     rc = 0;
     goto done;
 kda_fail:
@@ -457,6 +464,7 @@ cu_fail:
     snprintf(gpu_err, sizeof gpu_err, "CUDA event timing around %s: %s", name, cu_msg(r));
 done:
     free(ms);
+    free(host);
     return rc;
 }
 
@@ -542,9 +550,9 @@ static void gpu_print(const char *op, const shape *s, double med, double mn, dou
 {
     double tok = (double)s->B * s->T;
     print_head("gpu", op, s);
-    printf(",\"ms_median\":%.4f,\"ms_min\":%.4f,\"tokens_per_s\":%.0f,\"gflops\":%.2f,\"threads\":null,"
+    printf(",\"ms_median\":%.4f,\"ms_min\":%.4f,\"host_ms\":%.4f,\"tokens_per_s\":%.0f,\"gflops\":%.2f,\"threads\":null,"
            "\"gpu\":\"",
-           med, mn, tok / (med * 1e-3), flops / (med * 1e-3) / 1e9);
+           med, mn, g_host_ms, tok / (med * 1e-3), flops / (med * 1e-3) / 1e9);
     json_escape(stdout, cu.name);
     printf("\",\"bytes\":%.0f,\"gbps\":%.1f,\"peak_gbps\":%.0f,\"roofline_fraction\":%.4f,"
            "\"bytes_model\":\"%s\",\"flop_model\":\"%s\"%s}\n",

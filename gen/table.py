@@ -20,8 +20,9 @@ Launch geometry (`grid`) is named, and kda.h computes it from the problem:
   chunk_head_v (NTmax, HV, ceil(V / bv))     ... and value tile
   seq_head_v   (N, HV, ceil(V / bv))         one block per sequence, value head, value tile
   head         (HV, 1, 1)                    one block per value head
-  fused        set by kda.h's fused forward: (N * segments, HV, column blocks) for
-               fwd_fused and fwd_fused_bounded, (N, HV, ceil(V / 16)) for fwd_combine
+  fused        set by kda.h's fused forward: fwd_fused and fwd_fused_bounded take
+               (N * pieces, HV, column blocks), varlen (pieces * column blocks * HV, 1, 1);
+               fwd_combine (N, HV, ceil(V / 16))
 
 `threads` and `smem` (bytes of dynamic shared memory, default 0) are numbers or
 expressions in the variant's axes.
@@ -46,10 +47,12 @@ STAGES = {
     # forward when no intermediates are asked for; fwd_combine joins split sequences
     # (bv/16 state warps + 2 (bv 128) or 3 (bv 64) groups of 4 factor warps, a factor buffer
     # each; dynamic shared memory: bk 128 bv 64 takes 226 KB, which an A100 cannot give)
-    "fwd_fused":   dict(axes={"dtype": ["f16", "bf16"], "bk": [64, 128], "bv": [64, 128]}, grid="fused",
+    # (varlen: pieces from kda.h's piece table, launched longest first; fixed lengths: from the
+    # block index, so that what the blocks compute from it stays uniform)
+    "fwd_fused":   dict(axes={"dtype": ["f16", "bf16"], "bk": [64, 128], "bv": [64, 128], "varlen": [0, 1]}, grid="fused",
                         threads="2*bv+256+128*(bv==64)", smem="1024*(34+bk) if bv == 128 else 1024*(bk*3//2+34)"),
     # its bounded split (every segment in one pass, warmed up; kda.h's kda__fused_warmup)
-    "fwd_fused_bounded": dict(axes={"dtype": ["f16", "bf16"], "bk": [64, 128], "bv": [64, 128]}, grid="fused",
+    "fwd_fused_bounded": dict(axes={"dtype": ["f16", "bf16"], "bk": [64, 128], "bv": [64, 128], "varlen": [0, 1]}, grid="fused",
                         threads="2*bv+256+128*(bv==64)", smem="1024*(34+bk) if bv == 128 else 1024*(bk*3//2+34)"),
     "fwd_combine": dict(axes={}, grid="fused", threads=128),
     # backward

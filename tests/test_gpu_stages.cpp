@@ -14,6 +14,7 @@
 // the stage's outputs poisoned (NaN), runs the stage, and every output must match
 // the CPU's. Then the whole operations (kda_chunk_fwd/bwd, kda_recurrent_fwd in
 // both forms) run on the emulated device and are compared with the CPU's.
+#include <algorithm>
 #include <stddef.h>
 #include <string>
 #include <vector>
@@ -44,10 +45,17 @@ static kda_status emu_copy(kda_context *, void *dst, const void *src, size_t byt
     return KDA_OK;
 }
 static kda_status emu_fill(kda_context *, void *dst, int byte, size_t bytes) { memset(dst, byte, bytes); return KDA_OK; }
-static int emu_launches, emu_fused, emu_fused_bv, emu_fused_nseg; // fused launches, the last one's value tile and segments
-static std::vector<int> emu_flags; // the last bounded split's flags ([N][nseg][HV]: the bound failed)
+static int emu_launches, emu_fused, emu_fused_bv, emu_fused_nseg; // fused launches, the last one's value tile and most segments of a sequence
+static std::vector<int> emu_flags, emu_pieces; // the last bounded split's flags ([piece][HV]: the bound failed) and piece table
+static long long emu_cut[2];                    // and its pieces a sequence and their chunks (fixed lengths)
+static int emu_most_pieces(const kda__kparams *a) { // of one sequence, by the piece table (kda_fz_base)
+    int most = a->fz_piece ? 1 : (int)a->fz_nseg;
+    for (long long n = 0; a->fz_piece && n < a->N; n++)
+        most = std::max(most, a->fz_piece[3 * a->fz_npieces + n + 1] - a->fz_piece[3 * a->fz_npieces + n]);
+    return most;
+}
 static kda_status emu_launch(kda_context *ctx, const kda__kdesc *k, const unsigned grid[3], const kda__kparams *a) {
-    if (!strncmp(k->stage, "fwd_fused", 9)) emu_fused++, emu_fused_bv = k->bv, emu_fused_nseg = (int)a->fz_nseg;
+    if (!strncmp(k->stage, "fwd_fused", 9)) emu_fused++, emu_fused_bv = k->bv, emu_fused_nseg = emu_most_pieces(a);
     for (const kda_emu_kernel &e : kda_emu_kernels)
         if (!strcmp(e.name, k->name)) {
             kda_emu_dim3 g;
@@ -57,7 +65,9 @@ static kda_status emu_launch(kda_context *ctx, const kda__kdesc *k, const unsign
             kda_emu_launch(e.fn, g, (unsigned)k->threads, prm);
             emu_launches++;
             if (!strcmp(k->stage, "fwd_fused_bounded"))
-                emu_flags.assign(a->fz_flags, a->fz_flags + a->N * a->fz_nseg * a->HV);
+                emu_flags.assign(a->fz_flags, a->fz_flags + a->fz_npieces * a->HV),
+                    emu_pieces.assign(a->fz_piece, a->fz_piece ? a->fz_piece + 3 * a->fz_npieces + a->N + 1 : a->fz_piece),
+                    emu_cut[0] = a->fz_nseg, emu_cut[1] = a->fz_each;
             return KDA_OK;
         }
     return kda__fail(ctx, KDA_ERROR_INTERNAL, "emulator: no kernel %s", k->name);
@@ -482,25 +492,31 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
     kda_context_destroy(cpu);
 }
 
-// The bounded split (3 segments of 5 chunks, KDA_WARMUP=2): where every key channel decays
-// (head 0: g = -2 a token, 2^-92 over the warm-up) a segment keeps what its warm-up gave;
-// where one keeps its state (head 1: g = logsigmoid(randn), about 2^-3) or, with growth, a
-// gate inside segment 2 is positive, the bound fails and the exact split's passes redo that
-// head: bit for bit KDA_SPLIT=exact's o and ht. Everything within 1e-2 of the CPU's forward.
-// K = 100 leaves channels of the 128-key tile outside K, which must not enter the bound.
-static void run_fused_bounded_split(int K, bool growth) {
+// The bounded split (KDA_SEGMENTS=3: the longest sequence in 3 pieces; KDA_WARMUP=2):
+// where every key channel decays (head 0: g = -2 a token, 2^-92 over the warm-up) a piece
+// keeps what its warm-up gave; where one keeps its state (head 1: g = logsigmoid(randn),
+// about 2^-3) or, with growth, a gate inside the first sequence's piece 2 (chunks 10-12) is
+// positive, the bound fails and the exact split's passes redo that sequence and head: bit
+// for bit KDA_SPLIT=exact's o and ht. Everything within 1e-2 of the CPU's forward. K = 100
+// leaves channels of the 128-key tile outside K, which must not enter the bound. Varlen:
+// sequences of 13, 3 and 7 chunks in 3, 1 and 2 pieces, launched longest first.
+static void run_fused_bounded_split(int K, bool growth, bool varlen) {
     char name[96];
-    snprintf(name, sizeof name, "fused_bounded_split_K%d%s", K, growth ? "_growth" : "");
+    snprintf(name, sizeof name, "fused_bounded_split_K%d%s%s", K, growth ? "_growth" : "", varlen ? "_varlen" : "");
     kda_context *cpu = t_cpu();
-    kda_problem p0 = kda_problem_default(1, 200, 1, K, 32);
+    kda_problem p0 = kda_problem_default(1, varlen ? 335 : 200, 1, K, 32);
     p0.HV = 2; p0.dtype = KDA_BF16; p0.qk_l2norm = 1;
+    const std::vector<long long> cu = {0, 200, 235, 335};
+    if (varlen) p0.num_seqs = 3, p0.seqlens_type = KDA_INDEX_I64;
     t_inst I;
     t_current = "fused";
-    t_inst_init(&I, &p0, NULL, 1, 0);
+    t_inst_init(&I, &p0, varlen ? cu.data() : NULL, 1, 0);
     const kda_problem &p = I.p;
+    const int N = varlen ? 3 : 1, pieces[3] = {3, 1, 2};
     for (int r = 0; r < p.T; r++)
         for (int c = 0; c < K; c++) I.g[((size_t)r * p.HV + 0) * K + c] = -2.0f;
-    if (growth) I.g[((size_t)170 * p.HV + 0) * K + 3] = 0.5f; // token 170: segment 2 (chunks 10-12, tokens 160-199)
+    if (growth) I.g[((size_t)170 * p.HV + 0) * K + 3] = 0.5f; // token 170: the first sequence's piece 2 (tokens 160-199)
+    auto fails = [&](int n, int hv) { return hv == 1 || (growth && n == 0); };
     DevIn X;
     dev_inputs(X, I);
     const size_t es = kda_dtype_size(p.dtype), nst = I.ns;
@@ -522,12 +538,35 @@ static void run_fused_bounded_split(int K, bool growth) {
         CHECK(kda_chunk_fwd(side ? g_dev : cpu, &p, side ? &X.dev : &X.host, &out) == KDA_OK, "%s: fwd (%d): %s", name, side,
               kda_last_error(side ? g_dev : cpu));
 #ifdef KDA_TEST_EMU
-        if (side == 1) {
-            CHECK(emu_flags.size() == 3 * 2, "%s: no bounded pass ran (%zu flags)", name, emu_flags.size());
-            for (int s = 1; s < 3 && emu_flags.size() == 6; s++)
-                for (int hv = 0; hv < 2; hv++) {
-                    const int want = hv == 1 || (growth && s == 2);
-                    CHECK(emu_flags[s * 2 + hv] == want, "%s: segment %d, head %d: flag %d, want %d", name, s, hv, emu_flags[s * 2 + hv], want);
+        if (side == 1) { // the pieces, their launch order and the flags of every piece after a sequence's first
+            const std::vector<int> want_first = varlen ? std::vector<int>{0, 6, 10, 0, 0, 5} : std::vector<int>{0, 6, 10};
+            const int np = (int)want_first.size();
+            CHECK(emu_flags.size() == (size_t)np * 2, "%s: no bounded pass of %d pieces ran (%zu flags)", name, np, emu_flags.size());
+            if (!varlen) { // no table: 3 pieces of 6 chunks, warm-up included (kda_fz_span), flags by slot = piece
+                CHECK(emu_pieces.empty() && emu_cut[0] == 3 && emu_cut[1] == 6, "%s: %zu table entries, %lld pieces of %lld chunks",
+                      name, emu_pieces.size(), emu_cut[0], emu_cut[1]);
+                for (int sl = 1; sl < 3 && emu_flags.size() == 6; sl++)
+                    for (int hv = 0; hv < 2; hv++) {
+                        const int want = hv == 1 || (growth && sl == 2);
+                        CHECK(emu_flags[sl * 2 + hv] == want, "%s: piece %d, head %d: flag %d, want %d", name, sl, hv, emu_flags[sl * 2 + hv], want);
+                    }
+                continue;
+            }
+            CHECK(emu_pieces.size() == (size_t)3 * np + N + 1, "%s: a piece table of %zu entries", name, emu_pieces.size());
+            if (emu_pieces.size() != (size_t)3 * np + N + 1) continue;
+            const int *seq = &emu_pieces[np], *first = &emu_pieces[2 * np], *base = &emu_pieces[3 * np];
+            CHECK(std::vector<int>(first, first + np) == want_first, "%s: the pieces' first chunks", name);
+            int prev = 1 << 30;
+            for (int r = 0; r < np; r++) { // chunks run, warm-up included: never more than the piece before
+                const int sl = emu_pieces[r], n = seq[sl], nch = (int)(((varlen ? cu[n + 1] - cu[n] : p.T) + 15) / 16);
+                const int ce = sl + 1 == base[n + 1] ? nch : first[sl + 1], run = ce - (sl > base[n] ? std::max(first[sl] - 2, 0) : 0);
+                CHECK(run <= prev, "%s: piece %d (%d chunks) launches after one of %d", name, sl, run, prev);
+                prev = run;
+            }
+            for (int sl = 0; sl < np; sl++)
+                for (int hv = 0; hv < 2 && sl > base[seq[sl]]; hv++) {
+                    const int want = hv == 1 || (growth && sl == 2); // (slot 2: the first sequence's piece 2)
+                    CHECK(emu_flags[sl * 2 + hv] == want, "%s: piece %d, head %d: flag %d, want %d", name, sl, hv, emu_flags[sl * 2 + hv], want);
                 }
         }
 #endif
@@ -536,19 +575,108 @@ static void run_fused_bounded_split(int K, bool growth) {
     o.fetch(); ht.fetch(); oe.fetch(); hte.fetch();
     const double eo = err_t(o.c.data(), o.h.data(), I.nv, p.dtype), eh = err_f((float *)ht.c.data(), (float *)ht.h.data(), nst);
     CHECK(eo <= 1e-2 && eh <= 1e-2, "%s: o error %.3g, ht error %.3g", name, eo, eh);
-    // head 1 (and head 0 with growth): the exact split's bits; o is [T][HV][V], ht [HV][K][V]
+    // where the bound failed in a sequence of more than one piece: the exact split's bits; o is
+    // [T][HV][V], ht [N][HV][K][V]
     bool same_o = true, same_ht = true;
-    for (int hv = growth ? 0 : 1; hv < 2; hv++) {
-        for (int t = 0; t < p.T; t++)
-            same_o &= !memcmp(&o.h[((size_t)t * p.HV + hv) * p.V * es], &oe.h[((size_t)t * p.HV + hv) * p.V * es], p.V * es);
-        same_ht &= !memcmp(&ht.h[(size_t)hv * K * p.V * 4], &hte.h[(size_t)hv * K * p.V * 4], (size_t)K * p.V * 4);
-    }
+    for (int n = 0; n < N; n++)
+        for (int hv = 0; hv < 2; hv++) {
+            const long long b = varlen ? cu[n] : 0, e = varlen ? cu[n + 1] : p.T;
+            if (!fails(n, hv) || pieces[n] == 1) continue; // (one piece: the bounded pass ran it whole)
+            for (long long t = b; t < e; t++)
+                same_o &= !memcmp(&o.h[((size_t)t * p.HV + hv) * p.V * es], &oe.h[((size_t)t * p.HV + hv) * p.V * es], p.V * es);
+            const size_t h0 = ((size_t)n * p.HV + hv) * K * p.V * 4;
+            same_ht &= !memcmp(&ht.h[h0], &hte.h[h0], (size_t)K * p.V * 4);
+        }
     CHECK(same_o && same_ht, "%s: where the bound failed, o (%d) and ht (%d) are not the exact split's", name, same_o, same_ht);
     printf("  %s: o %.2e ht %.2e\n", name, eo, eh);
     dfree_all();
     t_inst_free(&I);
     kda_context_destroy(cpu);
 }
+
+// The fused forward's plan (host only). kda__launch_time, which hands out whole rounds at
+// once, ends where handing out block by block to the first free multiprocessor ends; and
+// kda__fz_cut covers a sequence with pieces that each run the same chunks, warm-up included,
+// but the last, which runs no more.
+static void run_fused_plan_model() {
+    t_current = "fused";
+    unsigned rng = 12345;
+    int bad = 0;
+    auto next = [&](int m) { rng = rng * 1664525u + 1013904223u; return (int)((rng >> 8) % (unsigned)m); };
+    for (int trial = 0; trial < 300; trial++) {
+        const int sms = trial % 3 == 0 ? 1 : trial % 3 == 1 ? 7 : 132, kinds = 1 + next(12);
+        std::vector<kda__blocks> b(kinds);
+        long long total = 0;
+        for (kda__blocks &k : b) k.d = 1 + next(300), k.n = 1 + next(sms * 4 / kinds + 2), total += k.n;
+        if (total > 4LL * sms) continue; // (past 4 blocks a multiprocessor the model takes the work per multiprocessor)
+        std::vector<kda__blocks> sorted = b;
+        std::sort(sorted.begin(), sorted.end(), [](const kda__blocks &x, const kda__blocks &y) { return x.d > y.d; });
+        std::vector<double> end(sms, 0.0), heap(sms);
+        for (const kda__blocks &k : sorted)
+            for (long long i = 0; i < k.n; i++) *std::min_element(end.begin(), end.end()) += k.d;
+        const double want = *std::max_element(end.begin(), end.end()), got = kda__launch_time(b.data(), kinds, sms, heap.data());
+        if (got != want && !bad++) printf("  launch time of %d kinds on %d multiprocessors: %g, block by block %g\n", kinds, sms, got, want);
+    }
+    CHECK(!bad, "the launch time model differs from handing out block by block in %d of 300 launches", bad);
+    bad = 0;
+    for (long long nch = 0; nch <= 80; nch++)
+        for (long long sn = 1; sn <= 9; sn++)
+            for (long long warm : {-1LL, 0LL, 2LL, 16LL}) {
+                int first[9];
+                const long long np = kda__fz_cut(nch, sn, warm, first), w = warm > 0 ? warm : 0;
+                const long long each = (nch + (sn - 1) * w + sn - 1) / sn;
+                bool ok = np >= 1 && np <= sn && first[0] == 0;
+                for (long long s = 0; s < np && ok; s++) {
+                    const long long ce = s + 1 < np ? first[s + 1] : nch, run = ce - (s ? std::max(first[s] - w, 0LL) : 0);
+                    ok = ce > first[s] || nch == 0;
+                    ok = ok && (s + 1 < np ? run == each : run <= each);
+                }
+                if (!ok && !bad++) printf("  cut of %lld chunks into %lld pieces, warm-up %lld: %lld pieces\n", nch, sn, warm, np);
+            }
+    CHECK(!bad, "%d cuts of a sequence into pieces are uneven or leave a chunk out", bad);
+}
+
+#ifdef KDA_TEST_EMU
+// The fused forward keeps its plan for calls that repeat it and makes a new one when the
+// lengths change: after a batch of 200, 35 and 100 tokens, one of 35, 200 and 100 (same
+// problem, same total) gets the pieces and the bits of a fresh context.
+static void run_fused_replans_for_new_lengths() {
+    t_current = "fused";
+    kda_problem p0 = kda_problem_default(1, 335, 1, 64, 32);
+    p0.HV = 2; p0.dtype = KDA_BF16; p0.qk_l2norm = 1; p0.num_seqs = 3; p0.seqlens_type = KDA_INDEX_I64;
+    const long long cu1[] = {0, 200, 235, 335}, cu2[] = {0, 35, 235, 335};
+    t_inst I1, I2;
+    t_inst_init(&I1, &p0, cu1, 1, 0);
+    t_inst_init(&I2, &p0, cu2, 1, 0);
+    DevIn X1, X2;
+    dev_inputs(X1, I1);
+    dev_inputs(X2, I2);
+    const size_t es = kda_dtype_size(p0.dtype);
+    Out o1, o2, of;
+    o1.init(I1.nv * es); o2.init(I2.nv * es); of.init(I2.nv * es);
+    setenv("KDA_SEGMENTS", "3", 1);
+    setenv("KDA_WARMUP", "2", 1);
+    std::vector<int> again, fresh;
+    kda_context *other = dev_ctx();
+    for (int call = 0; call < 3; call++) { // g_dev: batch 1, then batch 2; a fresh context: batch 2
+        kda_fwd_outputs out;
+        memset(&out, 0, sizeof out);
+        out.o = call == 0 ? o1.d : call == 1 ? o2.d : of.d;
+        CHECK(kda_chunk_fwd(call == 2 ? other : g_dev, &I1.p, call ? &X2.dev : &X1.dev, &out) == KDA_OK, "replan: fwd %d: %s",
+              call, kda_last_error(call == 2 ? other : g_dev));
+        (call == 1 ? again : fresh) = emu_pieces;
+    }
+    unsetenv("KDA_SEGMENTS"); unsetenv("KDA_WARMUP");
+    o2.fetch(); of.fetch();
+    CHECK(!again.empty() && again == fresh, "replan: the second batch's piece table (%zu entries) is not a fresh context's (%zu)",
+          again.size(), fresh.size());
+    CHECK(!memcmp(o2.h.data(), of.h.data(), I2.nv * es), "replan: the second batch's o differs from a fresh context's");
+    kda_context_destroy(other);
+    dfree_all();
+    t_inst_free(&I1);
+    t_inst_free(&I2);
+}
+#endif
 
 #ifdef KDA_TEST_EMU
 // A fused config's inputs on the host and the device, for the tests that call the
@@ -596,9 +724,12 @@ static void run_fused_splits_as_far_as_the_workspace_holds(const Cfg &cf) {
     const kda_problem &p = I.p;
     DevIn &X = F.X;
     const size_t es = kda_dtype_size(p.dtype), tb = kda__tables_size(&p);
-    const size_t seg = (size_t)kda_num_seqs(&p) * p.HV * (2 * p.V + p.K) * p.K * sizeof(float);
+    // a piece: its transition, start state and 3 ints of the piece table (one sequence); 2048
+    // bytes more cover the alignment and the table's last int
+    const size_t seg = (size_t)p.HV * (2 * p.V + p.K) * p.K * sizeof(float) + 3 * sizeof(int);
+    CHECK(kda_num_seqs(&p) == 1 && !p.qk_l2norm, "%s: the test sizes the workspace for one sequence, exact split", cf.name);
     for (int segs = 1; segs <= 2; segs++) {
-        const size_t ws_bytes = tb + 512 + (segs == 2 ? 2 * seg : seg - 1);
+        const size_t ws_bytes = tb + 2048 + (segs == 2 ? 2 * seg : seg - 1);
         void *ws = dalloc(ws_bytes);
         Out o, o1;
         o.init(I.nv * es); o1.init(I.nv * es);
@@ -828,13 +959,18 @@ int main(int argc, char **argv) {
         if (want("ops")) run_ops(cf);
     }
     if (want("fused")) {
+        run_fused_plan_model();
         for (const Cfg &cf : fused_configs()) {
             const FusedGate gate = fused_gate(cf);
             if (gate == GATE_WIDE || !race) run_fused(cf, "1", gate, "64"), run_fused(cf, "1", gate, "128"); // --race: the splits, which run segment 0 with output too
             if (gate != GATE_WIDE) run_fused(cf, "2", gate, "64"), run_fused(cf, "3", gate, "128"); // varlen: sequences of 1, 2 and 3 segments, an empty one
         }
-        if (!race) run_fused_bounded_split(64, false), run_fused_bounded_split(100, false);
-        run_fused_bounded_split(64, true);
+        if (!race) run_fused_bounded_split(64, false, false), run_fused_bounded_split(100, false, false);
+        run_fused_bounded_split(64, true, false);
+        run_fused_bounded_split(64, true, true);
+#ifdef KDA_TEST_EMU
+        run_fused_replans_for_new_lengths();
+#endif
 #ifdef KDA_TEST_EMU
         run_fused_declines_without_shared_memory(fused_configs()[0]);
         run_fused_takes_the_tile_that_fits(fused_configs()[1]); // K = 128
