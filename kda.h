@@ -3533,7 +3533,8 @@ typedef struct {
  * counted where f is NULL; returns their number, *nseg the most of one sequence */
 static long long kda__fz_sn(long long nch, long long maxnch, long long i) {
     long long sc = (maxnch + i - 1) / i, sn;
-    sn = (nch + (sc > 1 ? sc : 1) - 1) / (sc > 1 ? sc : 1);
+    if (sc < 1) sc = 1;
+    sn = (nch + sc - 1) / sc;
     return sn < 1 ? 1 : sn < 64 ? sn : 64;
 }
 static long long kda__fz_pieces(const long long *len, long long nseq, long long maxnch, long long i, long long warm,
@@ -3550,6 +3551,24 @@ static long long kda__fz_pieces(const long long *len, long long nseq, long long 
     return np;
 }
 
+/* The chunks of the longest of nseq sequences */
+static long long kda__fz_maxnch(const long long *len, long long nseq) {
+    long long n, m = 0;
+    for (n = 0; n < nseq; n++)
+        if ((len[n] + 15) / 16 > m) m = (len[n] + 15) / 16;
+    return m;
+}
+/* The chunks piece i of np (first chunks f, sequences q) runs, its warm-up included (warm
+ * >= 0: the bounded split), and whether it is its sequence's first and last */
+static long long kda__fz_run(const long long *len, long long np, const int *f, const int *q, long long i, long long warm,
+                             int *first, int *last) {
+    long long nch = (len[q[i]] + 15) / 16, cb = f[i], ce;
+    *first = i == 0 || q[i - 1] != q[i];
+    *last = i + 1 == np || q[i + 1] != q[i];
+    ce = *last ? nch : f[i + 1];
+    return ce - (warm >= 0 && !*first ? (cb > warm ? cb - warm : 0) : cb);
+}
+
 /* The model's time of the pieces: the bounded split (warm >= 0) runs each piece once, piece
  * s > 0 with its warm-up, plus KDA__FZ_CHECK chunks for the exact passes' launches, which end
  * at once where every bound held (an estimate: three launches of a few microseconds). The
@@ -3561,9 +3580,8 @@ static double kda__fz_time(const kda_problem *p, const kda__kdesc *kf, const lon
                            const int *q, long long warm, int sms, kda__blocks *b1, kda__blocks *b0, double *h) {
     long long nvb = kda__fused_vblocks(kf, p), nkb = kda__fused_kblocks(kf, p), i, n0 = 0, n1 = 0, split = 0;
     for (i = 0; i < np; i++) {
-        long long nch = (len[q[i]] + 15) / 16, s0 = i == 0 || q[i - 1] != q[i], last = i + 1 == np || q[i + 1] != q[i];
-        long long cb = f[i], ce = last ? nch : f[i + 1], cw = warm >= 0 && !s0 ? (cb > warm ? cb - warm : 0) : cb;
-        double d = (double)(ce - cw) + 12.0;
+        int s0, last;
+        double d = (double)kda__fz_run(len, np, f, q, i, warm, &s0, &last) + 12.0;
         split |= !(s0 && last);
         if (warm >= 0 || (s0 && last) || !s0) b0[n0].d = d, b0[n0++].n = nvb * p->HV;
         if (warm < 0 && !last) b1[n1].d = d, b1[n1++].n = (s0 ? nvb : nvb + nkb) * p->HV;
@@ -3582,7 +3600,7 @@ static double kda__fz_time(const kda_problem *p, const kda__kdesc *kf, const lon
 static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const long long *len,
                                   long long nseq, long long cap, long long warm, kda__fz_plan *pl) {
     const char *env = getenv("KDA_SEGMENTS");
-    long long maxnch = 0, n, i, lo, hi = 64, np, next, nseg, room, per = kda__fused_vblocks(kf, p) * p->HV;
+    long long maxnch, i, lo, hi = 64, np, next, nseg, room, per = kda__fused_vblocks(kf, p) * p->HV;
     int sms = ctx->dev->sm_count ? ctx->dev->sm_count(ctx) : 0, *f, *q;
     kda__blocks *b;
     double *h, t;
@@ -3590,8 +3608,7 @@ static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const 
     memset(pl, 0, sizeof *pl);
     pl->cand = 1;
     if (sms <= 0) sms = 1;
-    for (n = 0; n < nseq; n++)
-        if ((len[n] + 15) / 16 > maxnch) maxnch = (len[n] + 15) / 16;
+    maxnch = kda__fz_maxnch(len, nseq);
     if (env && atoi(env) > 0) { /* forced: as many as the workspace holds */
         for (i = atoi(env) < maxnch ? atoi(env) : (maxnch > 1 ? maxnch : 1); i > 1; i--)
             if (kda__fz_pieces(len, nseq, maxnch, i, warm, NULL, NULL, &nseg) <= cap) break;
@@ -3615,9 +3632,8 @@ static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const 
             continue; /* the next has as many waves */
         np = kda__fz_pieces(len, nseq, maxnch, i, warm, f, q, &nseg);
         t = kda__fz_time(p, kf, len, np, f, q, warm, sms, b, b + room, h);
-        if (i == lo || t < pl->time * 0.97) pl->cand = i, pl->time = t;
+        if (i == lo || t < pl->time * 0.97) pl->cand = i, pl->time = t, pl->np = np, pl->nseg = nseg;
     }
-    pl->np = kda__fz_pieces(len, nseq, maxnch, pl->cand, warm, NULL, NULL, &pl->nseg);
     pl->each = kda__fz_each(maxnch, kda__fz_sn(maxnch, maxnch, pl->cand), warm); /* (fixed lengths: all the longest) */
     kda__free(ctx, mem);
     return KDA_OK;
@@ -3627,12 +3643,10 @@ static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const 
  * their chunks, warm-up included). Varlen only (fixed lengths: NULL); kda__free it. */
 static kda_status kda__fused_table(kda_context *ctx, const kda_problem *p, const long long *len, long long nseq,
                                    long long warm, kda__fz_plan *pl) {
-    long long i, r, maxnch = 0, nseg;
+    long long i, r, nseg;
     kda__blocks *b;
-    int *tab, *f, *q;
+    int *tab, *f, *q, first, last;
     if (p->num_seqs == 0) return KDA_OK;
-    for (i = 0; i < nseq; i++)
-        if ((len[i] + 15) / 16 > maxnch) maxnch = (len[i] + 15) / 16;
     b = (kda__blocks *)kda__alloc(ctx, sizeof(kda__blocks) * (size_t)pl->np);
     tab = (int *)kda__alloc(ctx, sizeof(int) * (size_t)(3 * pl->np + nseq + 1));
     if (!b || !tab) {
@@ -3641,12 +3655,8 @@ static kda_status kda__fused_table(kda_context *ctx, const kda_problem *p, const
         return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "fused forward: no memory for a piece table of %lld pieces", pl->np);
     }
     q = tab + pl->np, f = tab + 2 * pl->np; /* each slot's sequence and first chunk */
-    kda__fz_pieces(len, nseq, maxnch, pl->cand, warm, f, q, &nseg);
-    for (i = 0; i < pl->np; i++) {
-        long long nch = (len[q[i]] + 15) / 16, last = i + 1 == pl->np || q[i + 1] != q[i];
-        long long cb = f[i], ce = last ? nch : f[i + 1], cw = warm >= 0 && i && q[i - 1] == q[i] ? (cb > warm ? cb - warm : 0) : cb;
-        b[i].d = (double)(ce - cw), b[i].n = i;
-    }
+    kda__fz_pieces(len, nseq, kda__fz_maxnch(len, nseq), pl->cand, warm, f, q, &nseg);
+    for (i = 0; i < pl->np; i++) b[i].d = (double)kda__fz_run(len, pl->np, f, q, i, warm, &first, &last), b[i].n = i;
     qsort(b, (size_t)pl->np, sizeof *b, kda__blocks_longer);
     for (i = 0, r = 0; i < pl->np; i++) {
         tab[i] = (int)b[i].n;
@@ -3694,8 +3704,13 @@ static const kda__kdesc *kda__fused_variant(kda_context *ctx, const kda_problem 
  * lengths, the warm-up, the workspace's cap, the device's shared memory, and the tuning
  * variables KDA_SEGMENTS and KDA_FUSED_BV. */
 typedef struct {
-    const kda__kdesc *asked, *chosen;
-    long long N, HV, K, V, varlen, warm, cap, optin, segments, bv, *len;
+    const kda__kdesc *asked;
+    long long N, HV, K, V, varlen, warm, cap, optin, segments, bv;
+} kda__fz_key;
+typedef struct {
+    kda__fz_key key;
+    long long *len;
+    const kda__kdesc *chosen;
     kda__fz_plan pl;
 } kda__fz_memo;
 static void kda__fused_forget(kda_context *ctx) {
@@ -3710,15 +3725,15 @@ static void kda__fused_forget(kda_context *ctx) {
 static const kda__kdesc *kda__fused_memo(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const long long *len,
                                          long long nseq, long long cap, long long warm, kda__fz_plan *pl, kda_status *st) {
     const char *es = getenv("KDA_SEGMENTS"), *eb = getenv("KDA_FUSED_BV");
-    kda__fz_memo key, *m = (kda__fz_memo *)ctx->fz_memo;
+    kda__fz_memo *m = (kda__fz_memo *)ctx->fz_memo;
+    kda__fz_key key;
     const kda__kdesc *k;
-    memset(&key, 0, sizeof key);
+    long long *keep;
+    memset(&key, 0, sizeof key); /* (no padding: compared whole) */
     key.asked = kf, key.N = nseq, key.HV = p->HV, key.K = p->K, key.V = p->V, key.varlen = p->num_seqs > 0;
     key.warm = warm, key.cap = cap, key.optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
     key.segments = es ? atoll(es) : -1, key.bv = eb ? atoll(eb) : -1;
-    if (m && m->asked == key.asked && m->N == key.N && m->HV == key.HV && m->K == key.K && m->V == key.V &&
-        m->varlen == key.varlen && m->warm == key.warm && m->cap == key.cap && m->optin == key.optin &&
-        m->segments == key.segments && m->bv == key.bv && !memcmp(m->len, len, sizeof(long long) * (size_t)nseq)) {
+    if (m && !memcmp(&m->key, &key, sizeof key) && !memcmp(m->len, len, sizeof(long long) * (size_t)nseq)) {
         *pl = m->pl;
         *st = KDA_OK;
         return m->chosen;
@@ -3726,18 +3741,17 @@ static const kda__kdesc *kda__fused_memo(kda_context *ctx, const kda_problem *p,
     kda__fused_forget(ctx);
     if (!(k = kda__fused_variant(ctx, p, kf, len, nseq, cap, warm, pl, st)) || *st) return k;
     m = (kda__fz_memo *)kda__alloc(ctx, sizeof *m);
-    key.len = (long long *)kda__alloc(ctx, sizeof(long long) * (size_t)(nseq > 0 ? nseq : 1));
-    if (!m || !key.len) { /* the plan cannot be kept: fail rather than leak its table */
+    keep = (long long *)kda__alloc(ctx, sizeof(long long) * (size_t)(nseq > 0 ? nseq : 1));
+    if (!m || !keep) { /* the plan cannot be kept: fail rather than leak its table */
         kda__free(ctx, m);
-        kda__free(ctx, key.len);
+        kda__free(ctx, keep);
         kda__free(ctx, pl->tab);
         pl->tab = NULL;
         *st = kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "fused forward: no memory to keep its plan");
         return NULL;
     }
-    memcpy(key.len, len, sizeof(long long) * (size_t)nseq);
-    key.chosen = k, key.pl = *pl;
-    *m = key;
+    memcpy(keep, len, sizeof(long long) * (size_t)nseq);
+    m->key = key, m->len = keep, m->chosen = k, m->pl = *pl;
     ctx->fz_memo = m;
     return k;
 }
@@ -3770,7 +3784,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
                                  const kda__kdesc *kf) {
     const kda__kdesc *kc = kda__kernel_find(ctx, KDA__STAGE_FWD_COMBINE, p);
     /* the bounded split where it applies and was rendered */
-    long long maxlen = 0, i, N = c->s.N, nvb, ncb, warm = kda__fused_bounded(kf) ? kda__fused_warmup(p) : -1;
+    long long N = c->s.N, nvb, ncb, warm = kda__fused_bounded(kf) ? kda__fused_warmup(p) : -1;
     /* a split keeps, per piece and value head, its end state and transition ([V + K][K],
      * fz_trans), its start state ([V][K], fz_start) and the bounded split's flag (fz_flags);
      * the piece table takes 3 ints a piece and one a sequence, and slack the alignment of
@@ -3787,9 +3801,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     kda__kparams a;
     kda_status s;
     if (!kc) return KDA_ERROR_UNSUPPORTED;
-    for (i = 0; i < N; i++)
-        if (c->s.len[i] > maxlen) maxlen = c->s.len[i];
-    if (maxlen == 0) return KDA_OK;
+    if (kda__fz_maxnch(c->s.len, N) == 0) return KDA_OK;
     /* a caller's workspace bounds the pieces */
     if (ctx->workspace)
         cap = ctx->workspace_size > fixed ? (long long)((ctx->workspace_size - fixed) / (trans + start + flags + 3 * sizeof(int))) : 0;
