@@ -135,8 +135,10 @@ const char *kda_status_string(kda_status s);
  * from a zero state and keeps its output where the decay provably leaves the dropped
  * state at most 2^-24 of its norm in every output and in ht (the per-token largest
  * gate over the warm-up; templates/fwd_fused.cu.j2 derives it). Where that bound fails
- * the exact split recomputes the sequence and head, so no output carries more. The
- * environment variable KDA_SPLIT=exact always takes the exact split. */
+ * the exact split computes the sequence and head, so no output carries more: a check of
+ * the warm-ups runs first, so gates with slow channels (which keep their state over any
+ * warm-up) cost the exact split alone. The environment variable KDA_SPLIT=exact always
+ * takes the exact split. */
 void kda_set_workspace(kda_context *ctx, void *ptr, size_t bytes);
 /* CUDA stream (a CUstream) used by every later call; ignored by the CPU backend.
  *
@@ -3018,7 +3020,7 @@ static void kda__ws_release(kda_context *ctx, void *ptr, int owned) {
 /* ------------------------------------------------------- device stages */
 
 static const char *const kda__stage_names[] = {
-    "prepare", "gate_cumsum", "intra", "solve", "wu", "state", "output", "fwd_fused", "fwd_combine", "fwd_fused_bounded", 0,
+    "prepare", "gate_cumsum", "intra", "solve", "wu", "state", "output", "fwd_fused", "fwd_combine", "fwd_fused_bounded", "fwd_bound",
     "bwd_dav", "bwd_dhu", "bwd_wy", "bwd_intra", "bwd_cumsum", "bwd_gate", "bwd_qkb", 0, 0,
     "recurrent", "states_out", "selftest_mma"};
 #define KDA__STAGE_RECURRENT 20
@@ -3027,6 +3029,7 @@ static const char *const kda__stage_names[] = {
 #define KDA__STAGE_FWD_FUSED 7
 #define KDA__STAGE_FWD_COMBINE 8
 #define KDA__STAGE_FWD_FUSED_BOUNDED 9
+#define KDA__STAGE_FWD_BOUND 10
 
 /* The kernel variant of `stage` for problem p: exact match on the axes the
  * stage has, the smallest key tile >= K, and the smallest value tile >= V (or
@@ -3136,14 +3139,14 @@ static int kda__fused_sibling(const kda__kdesc *a, const kda__kdesc *b) {
 int kda_kernels_needed(kda_context *ctx, const kda_problem *p, int *idx, int max) {
     /* the fused forward's stages last: problems it does not cover leave them out (and the
      * bounded split, problems without the in-kernel l2norm) */
-    static const int stages[] = {0, 1, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15, 16, 17, 20, 21, 7, 8, 9};
+    static const int stages[] = {0, 1, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15, 16, 17, 20, 21, 7, 8, 9, 10};
     size_t i, ns = sizeof stages / sizeof stages[0];
     int n = 0;
     if (!ctx) return -1;
     ctx->err[0] = 0;
     if (kda__check_problem(ctx, p) != KDA_OK) return -1;
-    if (!kda__fused_shape(p)) ns -= 3;
-    else if (!p->qk_l2norm) ns -= 1;
+    if (!kda__fused_shape(p)) ns -= 4;
+    else if (!p->qk_l2norm) ns -= 2;
     for (i = 0; i < ns; i++) {
         const kda__kdesc *k = kda__kernel_find(ctx, stages[i], p);
         int j;
@@ -3570,12 +3573,13 @@ static long long kda__fz_run(const long long *len, long long np, const int *f, c
 }
 
 /* The model's time of the pieces: the bounded split (warm >= 0) runs each piece once, piece
- * s > 0 with its warm-up, plus KDA__FZ_CHECK chunks for the exact passes' launches, which end
- * at once where every bound held (an estimate: three launches of a few microseconds). The
- * exact split runs a transition pass of every piece but a sequence's last (V and K column
- * blocks; V only for piece 0, which also writes its output), then an output pass of the
- * pieces after the first, and of the sequences of one piece. */
-#define KDA__FZ_CHECK 6.0
+ * s > 0 with its warm-up, plus KDA__FZ_CHECK chunks for fwd_bound's check of the warm-ups and
+ * the exact passes' launches, which end at once where every bound held (an estimate: four
+ * launches of a few microseconds). The exact split runs a transition pass of every piece but
+ * a sequence's last (V and K column blocks; V only for piece 0, which also writes its
+ * output), then an output pass of the pieces after the first, and of the sequences of one
+ * piece. */
+#define KDA__FZ_CHECK 8.0
 static double kda__fz_time(const kda_problem *p, const kda__kdesc *kf, const long long *len, long long np, const int *f,
                            const int *q, long long warm, int sms, kda__blocks *b1, kda__blocks *b0, double *h) {
     long long nvb = kda__fused_vblocks(kf, p), nkb = kda__fused_kblocks(kf, p), i, n0 = 0, n1 = 0, split = 0;
@@ -3783,6 +3787,7 @@ static const kda__kdesc *kda__fused_bounded(const kda__kdesc *k) {
 static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_problem *p, const kda_fwd_outputs *out,
                                  const kda__kdesc *kf) {
     const kda__kdesc *kc = kda__kernel_find(ctx, KDA__STAGE_FWD_COMBINE, p);
+    const kda__kdesc *kb = kc ? kda__kernel_find(ctx, KDA__STAGE_FWD_BOUND, p) : NULL; /* the warm-ups' check */
     /* the bounded split where it applies and was rendered */
     long long N = c->s.N, nvb, ncb, warm = kda__fused_bounded(kf) ? kda__fused_warmup(p) : -1;
     /* a split keeps, per piece and value head, its end state and transition ([V + K][K],
@@ -3800,7 +3805,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     kda__fz_plan pl;
     kda__kparams a;
     kda_status s;
-    if (!kc) return KDA_ERROR_UNSUPPORTED;
+    if (!kc || !kb) return KDA_ERROR_UNSUPPORTED;
     if (kda__fz_maxnch(c->s.len, N) == 0) return KDA_OK;
     /* a caller's workspace bounds the pieces */
     if (ctx->workspace)
@@ -3836,6 +3841,8 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
         a.fz_start = (float *)KDA__FZ_BUF(bs);
         if (warm >= 0) { /* every piece at once; the exact passes below only where a bound failed */
             a.fz_flags = (int *)KDA__FZ_BUF(bf);
+            grid[0] = (unsigned)pl.np; grid[1] = (unsigned)p->HV; grid[2] = 1u; /* the warm-ups' bounds first */
+            if ((s = ctx->dev->launch(ctx, kb, grid, &a))) goto done;
             a.fz_mode = 2;
             KDA__FZ_GRID(nvb);
             if ((s = ctx->dev->launch(ctx, kda__fused_bounded(kf), grid, &a))) goto done;

@@ -5,6 +5,7 @@
 #
 #   bench/ab.sh OUTDIR main=. variant=path/to/tree ...
 #   SHAPES="8,4096,16,128,128 2,8192,16,128,256" ROUNDS=3 REPS=20 bench/ab.sh ...
+#   ARGS="--gate kimi" bench/ab.sh ...      (more kda-bench options, the same for every run)
 #
 # A tree is a copy of this repository, edited as the variant needs; each builds its own
 # build/kda-bench by the Makefile's rule, so every variant is compiled as `make` compiles
@@ -26,7 +27,7 @@ for round in $(seq "$ROUNDS"); do
     for s in $SHAPES; do
         for nd in "$@"; do
             n=${nd%%=*} d=${nd#*=}
-            ms=$("$d/build/kda-bench" --device gpu --ops fwd --reps "$REPS" --shape "$s" 2>>"$out/ab_err.txt" |
+            ms=$("$d/build/kda-bench" --device gpu --ops fwd --reps "$REPS" --shape "$s" ${ARGS:-} 2>>"$out/ab_err.txt" |
                  grep -o '"ms_median":[0-9.]*' | cut -d: -f2)
             echo "round $round shape $s $n ${ms:-failed}" | tee -a "$out/ab.txt"
         done

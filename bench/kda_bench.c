@@ -11,7 +11,10 @@
  *      "varlen":[cu_seqlens] or null},"dtype":"bf16","ms_median":..,"ms_min":..,
  *      "tokens_per_s":..,"gflops":..,"threads":..,"flop_model":".."}
  * CPU: ms_median and ms_min are over --reps timed calls (default 5) after one warm-up.
- * Inputs: bf16 q/k/v (randn), fp32 g = logsigmoid(randn), bf16 beta = sigmoid(randn),
+ * Inputs: bf16 q/k/v (randn), fp32 g = logsigmoid(randn) (--gate kimi, GPU: the softplus gate of
+ * raw g = randn with Kimi Linear's initialisation, A_log = log U(1, 16) per head and
+ * dt_bias = log(expm1(dt)), dt = exp U(log 1e-3, log 1e-1) per channel: some channels
+ * then keep their state for thousands of tokens), bf16 beta = sigmoid(randn),
  * fp32 random initial state, qk l2norm in the kernel, chunk 64. The forward also
  * writes the final state; the backward gets dout (randn), no dht, no saved buffer
  * (so it recomputes the forward's intermediates), and writes every gradient
@@ -112,16 +115,18 @@ static const int decode_N[] = {1, 32, 256};
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
 
-static double randn(void) /* xorshift64* + Box-Muller */
+static double urand(void) /* xorshift64*, uniform in (0, 1) */
 {
-    double u[2];
-    for (int i = 0; i < 2; i++) {
-        rng_state ^= rng_state >> 12;
-        rng_state ^= rng_state << 25;
-        rng_state ^= rng_state >> 27;
-        u[i] = ((double)((rng_state * 0x2545F4914F6CDD1DULL) >> 11) + 0.5) / 9007199254740992.0;
-    }
-    return sqrt(-2.0 * log(u[0])) * cos(6.283185307179586 * u[1]);
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return ((double)((rng_state * 0x2545F4914F6CDD1DULL) >> 11) + 0.5) / 9007199254740992.0;
+}
+
+static double randn(void) /* Box-Muller */
+{
+    double u0 = urand(), u1 = urand();
+    return sqrt(-2.0 * log(u0)) * cos(6.283185307179586 * u1);
 }
 
 static double logsigmoid(double x) { return fmin(x, 0.0) - log1p(exp(-fabs(x))); }
@@ -572,6 +577,7 @@ static void gpu_error_line(const char *op, const shape *s, const char *extra)
 }
 
 static const char *g_ops = "fwd,bwd,decode"; /* --ops: which GPU operations to time */
+static int g_kimi;                            /* --gate kimi: the softplus gate, Kimi Linear's initialisation */
 static shape g_shape;                        /* --shape B,T,H,K,V: this one instead of the table */
 static int32_t g_cu[257];                     /* --seqlens: its varlen batch (B = 1, T = the sum) */
 
@@ -579,6 +585,8 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
 {
     kda_problem p = bench_problem(s);
     dbufs b = {{0}, 0};
+    const char *gate_field = g_kimi ? ",\"gate\":\"kimi\"" : NULL;
+    if (g_kimi) p.gate = KDA_GATE_SOFTPLUS;
     kda_status st = kda_problem_check(ctx, &p);
     if (st != KDA_OK) {
         snprintf(gpu_err, sizeof gpu_err, "kda_problem_check: %s", kda_last_error(ctx));
@@ -597,7 +605,8 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
     kda_bwd_io io = {0};
     void *ws;
     if (!(in.q = dtile(ctx, &b, pool_randn_bf16, n_qk, 2)) || !(in.k = dtile(ctx, &b, pool_randn_bf16, n_qk, 2)) ||
-        !(in.v = dtile(ctx, &b, pool_randn_bf16, n_v, 2)) || !(in.g = dtile(ctx, &b, pool_logsig, n_g, 4)) ||
+        !(in.v = dtile(ctx, &b, pool_randn_bf16, n_v, 2)) ||
+        !(in.g = dtile(ctx, &b, g_kimi ? pool_randn_f32 : pool_logsig, n_g, 4)) ||
         !(in.beta = dtile(ctx, &b, pool_sigmoid_bf16, n_beta, 2)) ||
         !(in.h0 = dtile(ctx, &b, pool_randn_f32, n_state, 4)) || !(out.o = dalloc(ctx, &b, n_v * 2, NULL)) ||
         !(out.ht = dalloc(ctx, &b, n_state * 4, NULL)) || !(ws = dalloc(ctx, &b, ws_bytes, NULL)) ||
@@ -608,15 +617,28 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
         return;
     }
     in.cu_seqlens_host = s->cu_seqlens;
+    if (g_kimi) { /* raw g = randn (above); the decay rates of Kimi Linear's initialisation */
+        float *a = xmalloc((size_t)p.HV * 4), *dtb = xmalloc((size_t)p.HV * p.K * 4);
+        for (int i = 0; i < p.HV; i++) a[i] = (float)log(1.0 + 15.0 * urand());
+        for (int i = 0; i < p.HV * p.K; i++) dtb[i] = (float)log(expm1(exp(log(1e-3) + urand() * (log(1e-1) - log(1e-3)))));
+        in.A_log = dalloc(ctx, &b, (size_t)p.HV * 4, a);
+        in.dt_bias = dalloc(ctx, &b, (size_t)p.HV * p.K * 4, dtb);
+        free(a), free(dtb);
+        if (!in.A_log || !in.dt_bias) {
+            gpu_error_line("fwd", s, gate_field), gpu_error_line("bwd", s, gate_field);
+            dfree_all(ctx, &b);
+            return;
+        }
+    }
     kda_set_workspace(ctx, ws, ws_bytes);
 
     double flops = fwd_flops(&p, s->cu_seqlens), med, mn;
     double in_bytes = 2.0 * n_qk * 2 + n_v * 2.0 + n_g * 4.0 + n_beta * 2.0; /* q, k, v, g, beta */
     if (strstr(g_ops, "fwd")) {
         if (gpu_time(ctx, run_fwd, "kda_chunk_fwd", &p, &in, &out, reps, &med, &mn) == 0)
-            gpu_print("fwd", s, med, mn, flops, in_bytes + n_v * 2.0, peak_gbps, FLOP_MODEL, BYTES_MODEL_FWD, NULL);
+            gpu_print("fwd", s, med, mn, flops, in_bytes + n_v * 2.0, peak_gbps, FLOP_MODEL, BYTES_MODEL_FWD, gate_field);
         else
-            gpu_error_line("fwd", s, NULL);
+            gpu_error_line("fwd", s, gate_field);
     }
 
     if (strstr(g_ops, "bwd")) {
@@ -624,12 +646,12 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
             !(io.dk = dalloc(ctx, &b, n_qk * 2, NULL)) || !(io.dv = dalloc(ctx, &b, n_v * 2, NULL)) ||
             !(io.dg = dalloc(ctx, &b, n_g * 4, NULL)) || !(io.dbeta = dalloc(ctx, &b, n_beta * 2, NULL)) ||
             !(io.dh0 = dalloc(ctx, &b, n_state * 4, NULL))) {
-            gpu_error_line("bwd", s, NULL);
+            gpu_error_line("bwd", s, gate_field);
         } else if (gpu_time(ctx, run_bwd, "kda_chunk_bwd", &p, &in, &io, reps, &med, &mn) == 0) {
             double bytes = in_bytes + n_v * 2.0 /* dout */ + in_bytes /* the gradients, same sizes */;
-            gpu_print("bwd", s, med, mn, 3.0 * flops, bytes, peak_gbps, FLOP_MODEL, BYTES_MODEL_BWD, NULL);
+            gpu_print("bwd", s, med, mn, 3.0 * flops, bytes, peak_gbps, FLOP_MODEL, BYTES_MODEL_BWD, gate_field);
         } else {
-            gpu_error_line("bwd", s, NULL);
+            gpu_error_line("bwd", s, gate_field);
         }
     }
     kda_set_workspace(ctx, NULL, 0);
@@ -995,6 +1017,7 @@ static int usage(void)
     fprintf(stderr, "usage: kda-bench --device cpu|gpu [--reps N] [--threads N] [--peak-gbps X] [--ops fwd,bwd,decode]\n"
                     "                 [--shape B,T,H,K,V]   (gpu: this shape instead of ANCHORS.md's)\n"
                     "                 [--seqlens L1,L2,..]  (with --shape 1,T,H,K,V: a varlen batch of these lengths)\n"
+                    "                 [--gate kimi]         (gpu: the softplus gate, Kimi Linear's initialisation)\n"
                     "       kda-bench --jit [--arch sm_90a] [--threads N]\n");
     return 1;
 }
@@ -1014,6 +1037,10 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--peak-gbps")) peak_gbps = atof(val);
         else if (!strcmp(a, "--arch")) arch = val;
         else if (!strcmp(a, "--ops")) g_ops = val;
+        else if (!strcmp(a, "--gate")) {
+            if (strcmp(val, "kimi")) return usage();
+            g_kimi = 1;
+        }
         else if (!strcmp(a, "--shape")) {
             shape *g = &g_shape;
             if (sscanf(val, "%d,%d,%d,%d,%d", &g->B, &g->T, &g->H, &g->K, &g->V) != 5 || g->B < 1 || g->T < 1 ||

@@ -47,6 +47,9 @@ static kda_status emu_copy(kda_context *, void *dst, const void *src, size_t byt
 static kda_status emu_fill(kda_context *, void *dst, int byte, size_t bytes) { memset(dst, byte, bytes); return KDA_OK; }
 static int emu_launches, emu_fused, emu_fused_bv, emu_fused_nseg; // fused launches, the last one's value tile and most segments of a sequence
 static std::vector<int> emu_flags, emu_pieces; // the last bounded split's flags ([piece][HV]: the bound failed) and piece table
+static std::vector<int> emu_warm_flags;         // the flags fwd_bound wrote (the warm-ups alone)
+static std::vector<unsigned char> emu_o_bounded; // o as the bounded pass left it (emu_o_bytes of it)
+static size_t emu_o_bytes;
 static long long emu_cut[2];                    // and its pieces a sequence and their chunks (fixed lengths)
 static int emu_most_pieces(const kda__kparams *a) { // of one sequence, by the piece table (kda_fz_base)
     int most = a->fz_piece ? 1 : (int)a->fz_nseg;
@@ -64,10 +67,12 @@ static kda_status emu_launch(kda_context *ctx, const kda__kdesc *k, const unsign
             memcpy(&prm, a, sizeof prm);
             kda_emu_launch(e.fn, g, (unsigned)k->threads, prm);
             emu_launches++;
+            if (!strcmp(k->stage, "fwd_bound")) emu_warm_flags.assign(a->fz_flags, a->fz_flags + a->fz_npieces * a->HV);
             if (!strcmp(k->stage, "fwd_fused_bounded"))
                 emu_flags.assign(a->fz_flags, a->fz_flags + a->fz_npieces * a->HV),
                     emu_pieces.assign(a->fz_piece, a->fz_piece ? a->fz_piece + 3 * a->fz_npieces + a->N + 1 : a->fz_piece),
-                    emu_cut[0] = a->fz_nseg, emu_cut[1] = a->fz_each;
+                    emu_cut[0] = a->fz_nseg, emu_cut[1] = a->fz_each,
+                    emu_o_bounded.assign((const unsigned char *)a->o, (const unsigned char *)a->o + emu_o_bytes);
             return KDA_OK;
         }
     return kda__fail(ctx, KDA_ERROR_INTERNAL, "emulator: no kernel %s", k->name);
@@ -499,7 +504,10 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
 // positive, the bound fails and the exact split's passes redo that sequence and head: bit
 // for bit KDA_SPLIT=exact's o and ht. Everything within 1e-2 of the CPU's forward. K = 100
 // leaves channels of the 128-key tile outside K, which must not enter the bound. Varlen:
-// sequences of 13, 3 and 7 chunks in 3, 1 and 2 pieces, launched longest first.
+// sequences of 13, 3 and 7 chunks in 3, 1 and 2 pieces, launched longest first. In the
+// emulator: fwd_bound flags the warm-ups' failures (head 1) and not the later positive
+// gate, which the bounded pass flags; and the bounded pass leaves a sequence and head that
+// fwd_bound flagged to the exact passes (its o untouched).
 static void run_fused_bounded_split(int K, bool growth, bool varlen) {
     char name[96];
     snprintf(name, sizeof name, "fused_bounded_split_K%d%s%s", K, growth ? "_growth" : "", varlen ? "_varlen" : "");
@@ -527,6 +535,8 @@ static void run_fused_bounded_split(int K, bool growth, bool varlen) {
     setenv("KDA_FUSED_BV", "64", 1);
 #ifdef KDA_TEST_EMU
     emu_flags.clear();
+    emu_warm_flags.clear();
+    emu_o_bytes = I.nv * es;
 #endif
     for (int side = 0; side < 3; side++) { /* CPU, bounded split, exact split */
         kda_fwd_outputs out;
@@ -542,6 +552,23 @@ static void run_fused_bounded_split(int K, bool growth, bool varlen) {
             const std::vector<int> want_first = varlen ? std::vector<int>{0, 6, 10, 0, 0, 5} : std::vector<int>{0, 6, 10};
             const int np = (int)want_first.size();
             CHECK(emu_flags.size() == (size_t)np * 2, "%s: no bounded pass of %d pieces ran (%zu flags)", name, np, emu_flags.size());
+            CHECK(emu_warm_flags.size() == (size_t)np * 2, "%s: fwd_bound did not run before it (%zu flags)", name, emu_warm_flags.size());
+            // fwd_bound: head 1's warm-ups fail, head 0's hold (the positive gate lies in no warm-up)
+            for (size_t f = 0; f < emu_warm_flags.size() && f < emu_flags.size(); f++)
+                CHECK(emu_warm_flags[f] == (emu_flags[f] && f % 2 == 1), "%s: fwd_bound's flag %zu is %d (final %d)", name, f,
+                      emu_warm_flags[f], emu_flags[f]);
+            // the bounded pass wrote o where fwd_bound's flags held, and nothing in head 1 of a
+            // sequence of several pieces (o is [T][HV][V]; poisoned 0xff before the call)
+            bool skipped = true, wrote = false;
+            for (int n = 0; n < N && emu_o_bounded.size() == emu_o_bytes; n++)
+                for (long long t = varlen ? cu[n] : 0; t < (varlen ? cu[n + 1] : p.T); t++)
+                    for (size_t x = 0; x < p.V * es; x++) {
+                        const unsigned char b = emu_o_bounded[((size_t)t * p.HV + 1) * p.V * es + x];
+                        if (pieces[n] > 1) skipped &= b == 0xff;
+                        wrote |= emu_o_bounded[((size_t)t * p.HV) * p.V * es + x] != 0xff;
+                    }
+            CHECK(emu_o_bounded.size() == emu_o_bytes && skipped && wrote, "%s: the bounded pass skipped head 1 (%d), wrote head 0 (%d)",
+                  name, skipped, wrote);
             if (!varlen) { // no table: 3 pieces of 6 chunks, warm-up included (kda_fz_span), flags by slot = piece
                 CHECK(emu_pieces.empty() && emu_cut[0] == 3 && emu_cut[1] == 6, "%s: %zu table entries, %lld pieces of %lld chunks",
                       name, emu_pieces.size(), emu_cut[0], emu_cut[1]);
