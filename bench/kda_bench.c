@@ -14,7 +14,9 @@
  * Inputs: bf16 q/k/v (randn), fp32 g = logsigmoid(randn) (--gate kimi, GPU: the softplus gate of
  * raw g = randn with Kimi Linear's initialisation, A_log = log U(1, 16) per head and
  * dt_bias = log(expm1(dt)), dt = exp U(log 1e-3, log 1e-1) per channel: some channels
- * then keep their state for thousands of tokens), bf16 beta = sigmoid(randn),
+ * then keep their state for thousands of tokens; --gate lb5, GPU: the lower-bound gate at -5
+ * of raw g = randn + 3, most tokens near the bound, so that chunks span the widest gate
+ * range the bounded gate allows), bf16 beta = sigmoid(randn),
  * fp32 random initial state, qk l2norm in the kernel, chunk 64. The forward also
  * writes the final state; the backward gets dout (randn), no dht, no saved buffer
  * (so it recomputes the forward's intermediates), and writes every gradient
@@ -577,7 +579,7 @@ static void gpu_error_line(const char *op, const shape *s, const char *extra)
 }
 
 static const char *g_ops = "fwd,bwd,decode"; /* --ops: which GPU operations to time */
-static int g_kimi;                            /* --gate kimi: the softplus gate, Kimi Linear's initialisation */
+static const char *g_gate;                    /* --gate kimi or lb5 (NULL: g = logsigmoid(randn)) */
 static shape g_shape;                        /* --shape B,T,H,K,V: this one instead of the table */
 static int32_t g_cu[257];                     /* --seqlens: its varlen batch (B = 1, T = the sum) */
 
@@ -585,8 +587,11 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
 {
     kda_problem p = bench_problem(s);
     dbufs b = {{0}, 0};
-    const char *gate_field = g_kimi ? ",\"gate\":\"kimi\"" : NULL;
-    if (g_kimi) p.gate = KDA_GATE_SOFTPLUS;
+    const int kimi = g_gate && !strcmp(g_gate, "kimi"), lb5 = g_gate && !strcmp(g_gate, "lb5");
+    char gate_field[64] = "";
+    if (g_gate) snprintf(gate_field, sizeof gate_field, ",\"gate\":\"%s\"", g_gate);
+    if (kimi) p.gate = KDA_GATE_SOFTPLUS;
+    if (lb5) p.gate = KDA_GATE_LOWER_BOUND, p.lower_bound = -5.0;
     kda_status st = kda_problem_check(ctx, &p);
     if (st != KDA_OK) {
         snprintf(gpu_err, sizeof gpu_err, "kda_problem_check: %s", kda_last_error(ctx));
@@ -606,7 +611,7 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
     void *ws;
     if (!(in.q = dtile(ctx, &b, pool_randn_bf16, n_qk, 2)) || !(in.k = dtile(ctx, &b, pool_randn_bf16, n_qk, 2)) ||
         !(in.v = dtile(ctx, &b, pool_randn_bf16, n_v, 2)) ||
-        !(in.g = dtile(ctx, &b, g_kimi ? pool_randn_f32 : pool_logsig, n_g, 4)) ||
+        !(in.g = dtile(ctx, &b, g_gate ? pool_randn_f32 : pool_logsig, n_g, 4)) ||
         !(in.beta = dtile(ctx, &b, pool_sigmoid_bf16, n_beta, 2)) ||
         !(in.h0 = dtile(ctx, &b, pool_randn_f32, n_state, 4)) || !(out.o = dalloc(ctx, &b, n_v * 2, NULL)) ||
         !(out.ht = dalloc(ctx, &b, n_state * 4, NULL)) || !(ws = dalloc(ctx, &b, ws_bytes, NULL)) ||
@@ -617,10 +622,11 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
         return;
     }
     in.cu_seqlens_host = s->cu_seqlens;
-    if (g_kimi) { /* raw g = randn (above); the decay rates of Kimi Linear's initialisation */
+    if (g_gate) { /* raw g = randn (above); Kimi Linear's decay rates, or (lb5) A = 1 and a bias of 3 */
         float *a = xmalloc((size_t)p.HV * 4), *dtb = xmalloc((size_t)p.HV * p.K * 4);
-        for (int i = 0; i < p.HV; i++) a[i] = (float)log(1.0 + 15.0 * urand());
-        for (int i = 0; i < p.HV * p.K; i++) dtb[i] = (float)log(expm1(exp(log(1e-3) + urand() * (log(1e-1) - log(1e-3)))));
+        for (int i = 0; i < p.HV; i++) a[i] = lb5 ? 0.0f : (float)log(1.0 + 15.0 * urand());
+        for (int i = 0; i < p.HV * p.K; i++)
+            dtb[i] = lb5 ? 3.0f : (float)log(expm1(exp(log(1e-3) + urand() * (log(1e-1) - log(1e-3)))));
         in.A_log = dalloc(ctx, &b, (size_t)p.HV * 4, a);
         in.dt_bias = dalloc(ctx, &b, (size_t)p.HV * p.K * 4, dtb);
         free(a), free(dtb);
@@ -1017,7 +1023,8 @@ static int usage(void)
     fprintf(stderr, "usage: kda-bench --device cpu|gpu [--reps N] [--threads N] [--peak-gbps X] [--ops fwd,bwd,decode]\n"
                     "                 [--shape B,T,H,K,V]   (gpu: this shape instead of ANCHORS.md's)\n"
                     "                 [--seqlens L1,L2,..]  (with --shape 1,T,H,K,V: a varlen batch of these lengths)\n"
-                    "                 [--gate kimi]         (gpu: the softplus gate, Kimi Linear's initialisation)\n"
+                    "                 [--gate kimi|lb5]     (gpu: the softplus gate, Kimi Linear's initialisation;\n"
+                    "                                        the lower-bound gate at -5, mostly near it)\n"
                     "       kda-bench --jit [--arch sm_90a] [--threads N]\n");
     return 1;
 }
@@ -1038,8 +1045,8 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--arch")) arch = val;
         else if (!strcmp(a, "--ops")) g_ops = val;
         else if (!strcmp(a, "--gate")) {
-            if (strcmp(val, "kimi")) return usage();
-            g_kimi = 1;
+            if (strcmp(val, "kimi") && strcmp(val, "lb5")) return usage();
+            g_gate = val;
         }
         else if (!strcmp(a, "--shape")) {
             shape *g = &g_shape;
