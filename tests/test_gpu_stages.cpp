@@ -428,6 +428,9 @@ static std::vector<Cfg> fused_configs() {
     v.push_back({"fused_strong_gate_T60_K128_V32_bf16", p, {}, 1, 0});
     p.K = 48;
     v.push_back({"fused_strong_gate_T60_K48_V32_bf16", p, {}, 1, 0});
+    v.push_back({"fused_edge_gate_T60_K48_V32_bf16", p, {}, 1, 0});
+    p.K = 128;
+    v.push_back({"fused_edge_gate_T60_K128_V32_bf16", p, {}, 1, 0});
     // K, V % 8 != 0: rows are not 16-byte aligned, the inputs come and o leaves element by element
     p = kda_problem_default(2, 63, 2, 60, 36); p.dtype = KDA_BF16; p.g_dtype = KDA_BF16; p.gate = KDA_GATE_SOFTPLUS;
     p.qk_l2norm = 1;
@@ -436,11 +439,14 @@ static std::vector<Cfg> fused_configs() {
 }
 // Gates at the edge of the fused kernel's factored products: every 7th token forgets
 // (wide: g -> -1000, past SPAN: the per-pair fallback), or half the channels decay by 5 a
-// token from token 17 through chunk 2 (strong: 58 (base 2) a half chunk, factored with
-// exponents near 2^58; the other half keeps the state, so o still depends on it)
-enum FusedGate { GATE_PLAIN, GATE_WIDE, GATE_STRONG };
+// token from token 17 through chunk 2 (strong: 58 (base 2) a half chunk, past the four-tile
+// bound: factored through row 7 with exponents near 2^58; the other half keeps the state, so
+// o still depends on it), or by 3.8 a token (edge: 44 a half chunk, under the bound: four
+// tiles with exponents near 2^88)
+enum FusedGate { GATE_PLAIN, GATE_WIDE, GATE_STRONG, GATE_EDGE };
 static FusedGate fused_gate(const Cfg &cf) {
-    return strstr(cf.name, "wide") ? GATE_WIDE : strstr(cf.name, "strong") ? GATE_STRONG : GATE_PLAIN;
+    return strstr(cf.name, "wide") ? GATE_WIDE : strstr(cf.name, "strong") ? GATE_STRONG
+         : strstr(cf.name, "edge") ? GATE_EDGE : GATE_PLAIN;
 }
 // (bv: the value tile, KDA_FUSED_BV; the automatic choice takes 64 on problems this small)
 static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const char *bv) {
@@ -455,6 +461,7 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
             for (int c = 0; c < p.HV * p.K; c++) {
                 if (gate == GATE_WIDE && r % 7 == 3) I.g[r * p.HV * p.K + c] = 1000.0f;
                 if (gate == GATE_STRONG && r % p.T < 48 && c % 2 == 0) I.g[r * p.HV * p.K + c] = 5.0f - I.dt_bias[c];
+                if (gate == GATE_EDGE && r % p.T < 48 && c % 2 == 0) I.g[r * p.HV * p.K + c] = 3.777f - I.dt_bias[c]; // softplus 3.8
             }
     }
     DevIn X;
