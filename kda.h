@@ -2125,6 +2125,8 @@ typedef struct kda__kparams {
     const int *fz_piece;
     float *fz_start, *fz_trans;
     int *fz_flags;
+    const int *fz_fseq;
+    long long fz_fnseg;
 } kda__kparams;
 
 #define KDA__H2D 0
@@ -3596,10 +3598,11 @@ static double kda__fz_time(const kda_problem *p, const kda__kdesc *kf, const lon
 
 /* The plan for fwd_fused kernel kf: candidate i cuts the longest sequence into i pieces and
  * every other into pieces no longer than those. Within one count of waves (blocks per
- * multiprocessor, rounded up) more pieces are shorter, so the model times only the last
- * candidate of each count (and i = 1), and the fastest wins (ties within 3% go to fewer
- * pieces): a few walks of a few hundred blocks a call. Pieces keep at least 8 chunks,
- * candidates stop where their blocks pass 4 waves, KDA_SEGMENTS=n forces candidate n
+ * multiprocessor, rounded up) more pieces are shorter, so the bounded split's model times
+ * only the last candidate of each count (and i = 1); the exact split's, whose transition
+ * pass has more blocks than its output pass, times every one. The fastest wins (ties within
+ * 3% go to fewer pieces): a few walks of a few hundred blocks a call. Pieces keep at least 8
+ * chunks, candidates stop where their blocks pass 4 waves, KDA_SEGMENTS=n forces candidate n
  * (tests, tuning), and cap bounds the pieces of a split (what the workspace holds). */
 static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const long long *len,
                                   long long nseq, long long cap, long long warm, kda__fz_plan *pl) {
@@ -3632,8 +3635,9 @@ static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const 
     for (i = lo; i <= hi; i++, np = next) {
         next = i < hi ? kda__fz_pieces(len, nseq, maxnch, i + 1, warm, NULL, NULL, &nseg) : 0;
         if (i > lo && (np > cap || np * per > 4LL * sms)) break; /* more only adds work */
-        if (i > 1 && i < hi && next <= cap && next * per <= 4LL * sms && (next * per + sms - 1) / sms == (np * per + sms - 1) / sms)
-            continue; /* the next has as many waves */
+        if (warm >= 0 && i > 1 && i < hi && next <= cap && next * per <= 4LL * sms &&
+            (next * per + sms - 1) / sms == (np * per + sms - 1) / sms)
+            continue; /* the next has as many waves (the exact split's transition pass has more blocks: all are timed) */
         np = kda__fz_pieces(len, nseq, maxnch, i, warm, f, q, &nseg);
         t = kda__fz_time(p, kf, len, np, f, q, warm, sms, b, b + room, h);
         if (i == lo || t < pl->time * 0.97) pl->cand = i, pl->time = t, pl->np = np, pl->nseg = nseg;
@@ -3681,10 +3685,14 @@ static double kda__fused_chunk_cost(const kda__kdesc *k) { return k->bv <= 64 ? 
 
 /* The value tile: kf (kda__fused_wanted's pick) or a sibling with another, where the model
  * says it is faster (B2 T8192 H16 V256: 64 columns fill the GPU with 128 blocks where 128
- * columns give 64), and its plan with its piece table. KDA_FUSED_BV forces kf. */
+ * columns give 64), and its plan with its piece table. KDA_FUSED_BV forces kf. With the
+ * bounded split (warm >= 0), *pe is the plan of the exact passes that redo the sequences and
+ * heads where its bound fails, cut for them (no warm-up; the transition pass's identity
+ * columns): with Kimi Linear's gates, which fail it, B1 T8192 H32 in 5 pieces against the
+ * bounded split's 4 took 0.676 ms against 0.742 (H100, 2026-11-25). Without it *pe is *pl. */
 static const kda__kdesc *kda__fused_variant(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf,
                                             const long long *len, long long nseq, long long cap, long long warm,
-                                            kda__fz_plan *pl, kda_status *st) {
+                                            kda__fz_plan *pl, kda__fz_plan *pe, kda_status *st) {
     const kda__kdesc *best = kf;
     kda__fz_plan o_pl;
     int i, optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
@@ -3697,7 +3705,26 @@ static const kda__kdesc *kda__fused_variant(kda_context *ctx, const kda_problem 
         o_pl.time *= kda__fused_chunk_cost(o);
         if (o_pl.time < pl->time) best = o, *pl = o_pl;
     }
-    *st = kda__fused_table(ctx, p, len, nseq, warm, pl);
+    if ((*st = kda__fused_table(ctx, p, len, nseq, warm, pl))) return NULL;
+    *pe = *pl;
+    if (warm < 0) return best;
+    if ((*st = kda__fused_plan(ctx, p, best, len, nseq, cap, -1, pe)) || (*st = kda__fused_table(ctx, p, len, nseq, -1, pe))) {
+        kda__free(ctx, pl->tab);
+        pl->tab = NULL;
+        return NULL;
+    }
+    if (pl->tab) { /* varlen: both tables in one allocation (pl->tab's), so that one copy uploads them */
+        size_t a = sizeof(int) * (size_t)(3 * pl->np + nseq + 1), b = sizeof(int) * (size_t)(3 * pe->np + nseq + 1);
+        int *both = (int *)kda__alloc(ctx, a + b);
+        if (both) memcpy(both, pl->tab, a), memcpy((char *)both + a, pe->tab, b);
+        kda__free(ctx, pl->tab);
+        kda__free(ctx, pe->tab);
+        pl->tab = both, pe->tab = both ? (int *)((char *)both + a) : NULL;
+        if (!both) {
+            *st = kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "fused forward: no memory for its piece tables");
+            return NULL;
+        }
+    }
     return best;
 }
 
@@ -3715,19 +3742,25 @@ typedef struct {
     kda__fz_key key;
     long long *len;
     const kda__kdesc *chosen;
-    kda__fz_plan pl;
+    kda__fz_plan pl, pe;
 } kda__fz_memo;
+/* frees the tables of a variant's two plans (*pe's lies in *pl's allocation, or is it) */
+static void kda__fused_drop(kda_context *ctx, kda__fz_plan *pl, kda__fz_plan *pe) {
+    kda__free(ctx, pl->tab);
+    pl->tab = pe->tab = NULL;
+}
 static void kda__fused_forget(kda_context *ctx) {
     kda__fz_memo *m = (kda__fz_memo *)ctx->fz_memo;
     if (!m) return;
-    kda__free(ctx, m->pl.tab);
+    kda__fused_drop(ctx, &m->pl, &m->pe);
     kda__free(ctx, m->len);
     kda__free(ctx, m);
     ctx->fz_memo = NULL;
 }
-/* kda__fused_variant through the memo: *pl's table belongs to the context (do not free it) */
+/* kda__fused_variant through the memo: the plans' tables belong to the context (do not free them) */
 static const kda__kdesc *kda__fused_memo(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const long long *len,
-                                         long long nseq, long long cap, long long warm, kda__fz_plan *pl, kda_status *st) {
+                                         long long nseq, long long cap, long long warm, kda__fz_plan *pl, kda__fz_plan *pe,
+                                         kda_status *st) {
     const char *es = getenv("KDA_SEGMENTS"), *eb = getenv("KDA_FUSED_BV");
     kda__fz_memo *m = (kda__fz_memo *)ctx->fz_memo;
     kda__fz_key key;
@@ -3739,23 +3772,23 @@ static const kda__kdesc *kda__fused_memo(kda_context *ctx, const kda_problem *p,
     key.segments = es ? atoll(es) : -1, key.bv = eb ? atoll(eb) : -1;
     if (m && !memcmp(&m->key, &key, sizeof key) && !memcmp(m->len, len, sizeof(long long) * (size_t)nseq)) {
         *pl = m->pl;
+        *pe = m->pe;
         *st = KDA_OK;
         return m->chosen;
     }
     kda__fused_forget(ctx);
-    if (!(k = kda__fused_variant(ctx, p, kf, len, nseq, cap, warm, pl, st)) || *st) return k;
+    if (!(k = kda__fused_variant(ctx, p, kf, len, nseq, cap, warm, pl, pe, st)) || *st) return k;
     m = (kda__fz_memo *)kda__alloc(ctx, sizeof *m);
     keep = (long long *)kda__alloc(ctx, sizeof(long long) * (size_t)(nseq > 0 ? nseq : 1));
     if (!m || !keep) { /* the plan cannot be kept: fail rather than leak its table */
         kda__free(ctx, m);
         kda__free(ctx, keep);
-        kda__free(ctx, pl->tab);
-        pl->tab = NULL;
+        kda__fused_drop(ctx, pl, pe);
         *st = kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "fused forward: no memory to keep its plan");
         return NULL;
     }
     memcpy(keep, len, sizeof(long long) * (size_t)nseq);
-    m->key = key, m->len = keep, m->chosen = k, m->pl = *pl;
+    m->key = key, m->len = keep, m->chosen = k, m->pl = *pl, m->pe = *pe;
     ctx->fz_memo = m;
     return k;
 }
@@ -3792,70 +3825,78 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     long long N = c->s.N, nvb, ncb, warm = kda__fused_bounded(kf) ? kda__fused_warmup(p) : -1;
     /* a split keeps, per piece and value head, its end state and transition ([V + K][K],
      * fz_trans), its start state ([V][K], fz_start) and the bounded split's flag (fz_flags);
-     * the piece table takes 3 ints a piece and one a sequence, and slack the alignment of
-     * the five buffers after the tables */
+     * a piece table takes 3 ints a piece and one a sequence (two tables where the exact passes
+     * cut otherwise), and slack the alignment of those four buffers */
     size_t tb = kda__tables_size(p), trans = (size_t)p->HV * (p->V + p->K) * p->K * sizeof(float),
            start = (size_t)p->HV * p->V * p->K * sizeof(float), flags = warm >= 0 ? (size_t)p->HV * sizeof(int) : 0,
-           slack = 1280, fixed = tb + slack + sizeof(int) * (size_t)(N + 1), bt = 0, bs = 0, bf = 0;
+           slack = 1280, fixed = tb + slack + 2 * sizeof(int) * (size_t)(N + 1), bt = 0, bs = 0, bf = 0, tp = 0, te = 0;
     long long cap = LLONG_MAX;
     unsigned grid[3];
     void *ws = NULL;
     int owned = 0;
     char *at;
-    kda__fz_plan pl;
+    const int *etab;
+    kda__fz_plan pl, pe;
     kda__kparams a;
     kda_status s;
     if (!kc || !kb) return KDA_ERROR_UNSUPPORTED;
     if (kda__fz_maxnch(c->s.len, N) == 0) return KDA_OK;
     /* a caller's workspace bounds the pieces */
     if (ctx->workspace)
-        cap = ctx->workspace_size > fixed ? (long long)((ctx->workspace_size - fixed) / (trans + start + flags + 3 * sizeof(int))) : 0;
-    kf = kda__fused_memo(ctx, p, kf, c->s.len, N, cap, warm, &pl, &s);
+        cap = ctx->workspace_size > fixed ? (long long)((ctx->workspace_size - fixed) / (trans + start + flags + 6 * sizeof(int))) : 0;
+    kf = kda__fused_memo(ctx, p, kf, c->s.len, N, cap, warm, &pl, &pe, &s);
     if (s) return s;
     nvb = kda__fused_vblocks(kf, p);
-    if (pl.np > N) bt = (size_t)pl.np * trans, bs = (size_t)pl.np * start, bf = (size_t)pl.np * flags;
+    if (pl.np <= N) pe = pl; /* no split: whole sequences in the output pass */
+    if (pl.np > N) bf = (size_t)pl.np * flags;
+    if (pe.np > N) bt = (size_t)pe.np * trans, bs = (size_t)pe.np * start;
+    if (pl.tab) tp = sizeof(int) * (size_t)(3 * pl.np + N + 1);
+    if (pe.tab && pe.tab != pl.tab) te = sizeof(int) * (size_t)(3 * pe.np + N + 1); /* (right after pl.tab) */
     if (cap < LLONG_MAX) kda__log(ctx, "%s: the caller's workspace holds %lld piece(s)", kf->name, cap);
     kda__log(ctx, "%s: %lld piece(s) for %lld sequence(s), at most %lld a sequence%s", kf->name, pl.np, N, pl.nseg,
              pl.np > N && warm >= 0 ? ", bounded split" : "");
-    if ((s = kda__ws_acquire(ctx, fixed + bt + bs + bf + (pl.tab ? 3 * sizeof(int) * (size_t)pl.np : 0), &ws, &owned)))
-        goto done;
+    if (pl.np > N && warm >= 0)
+        kda__log(ctx, "%s: where a bound fails, the exact split in %lld piece(s), at most %lld a sequence", kf->name, pe.np, pe.nseg);
+    if ((s = kda__ws_acquire(ctx, tb + slack + bt + bs + bf + tp + te, &ws, &owned))) goto done;
     if ((s = kda__tables_upload(ctx, c, ws))) goto done;
     c->ht = out->ht;
     c->o = out->o;
     kda__kparams_fill(&a, c);
     at = (char *)ws + tb;
 #define KDA__FZ_BUF(bytes) (at = (char *)(((uintptr_t)at + 255) & ~(uintptr_t)255), at += (bytes), at - (bytes))
+    /* the tables, in one copy (pageable: staged before it returns, so they can go) */
+    if (tp && (s = ctx->dev->copy(ctx, (void *)(a.fz_piece = (const int *)KDA__FZ_BUF(tp + te)), pl.tab, tp + te, KDA__H2D))) goto done;
+    etab = te ? a.fz_piece + tp / sizeof(int) : a.fz_piece;
     a.fz_npieces = pl.np;
-    if (pl.tab) { /* pageable: staged before the copy returns, so the table can go */
-        a.fz_piece = (const int *)KDA__FZ_BUF(sizeof(int) * (size_t)(3 * pl.np + N + 1));
-        if ((s = ctx->dev->copy(ctx, (void *)a.fz_piece, pl.tab, sizeof(int) * (size_t)(3 * pl.np + N + 1), KDA__H2D))) goto done;
-    }
     a.fz_nseg = pl.nseg; /* fixed lengths: every sequence's pieces (kda_fz_span) */
     a.fz_each = pl.each;
     a.fz_warm = warm > 0 ? warm : 0; /* (the cut's too) */
-    /* grid: (launch rank, column block, value head) in x with a table, else (sequence and piece, value head, column block) */
-#define KDA__FZ_GRID(ncols) (grid[0] = (unsigned)(pl.tab ? pl.np * p->HV * (ncols) : pl.np), grid[1] = pl.tab ? 1u : (unsigned)p->HV, \
-                             grid[2] = pl.tab ? 1u : (unsigned)(ncols))
-    if (pl.np > N) {
+    /* grid of plan pp: (launch rank, column block, value head) in x with a table, else (sequence and piece, value head, column block) */
+#define KDA__FZ_GRID(pp, ncols) (grid[0] = (unsigned)((pp).tab ? (pp).np * p->HV * (ncols) : (pp).np), \
+                                 grid[1] = (pp).tab ? 1u : (unsigned)p->HV, grid[2] = (pp).tab ? 1u : (unsigned)(ncols))
+    if (pl.np > N && warm >= 0) { /* every piece at once; the exact passes below only where a bound failed */
+        a.fz_flags = (int *)KDA__FZ_BUF(bf);
+        a.fz_fseq = pl.tab ? a.fz_piece + 3 * pl.np : NULL, a.fz_fnseg = pl.nseg; /* the flags' pieces */
+        grid[0] = (unsigned)pl.np; grid[1] = (unsigned)p->HV; grid[2] = 1u; /* the warm-ups' bounds first */
+        if ((s = ctx->dev->launch(ctx, kb, grid, &a))) goto done;
+        a.fz_mode = 2;
+        KDA__FZ_GRID(pl, nvb);
+        if ((s = ctx->dev->launch(ctx, kda__fused_bounded(kf), grid, &a))) goto done;
+        a.fz_piece = pe.tab ? etab : NULL; /* the exact passes' own cut */
+        a.fz_npieces = pe.np, a.fz_nseg = pe.nseg, a.fz_each = pe.each, a.fz_warm = 0;
+    }
+    if (pe.np > N) {
         a.fz_trans = (float *)KDA__FZ_BUF(bt);
         a.fz_start = (float *)KDA__FZ_BUF(bs);
-        if (warm >= 0) { /* every piece at once; the exact passes below only where a bound failed */
-            a.fz_flags = (int *)KDA__FZ_BUF(bf);
-            grid[0] = (unsigned)pl.np; grid[1] = (unsigned)p->HV; grid[2] = 1u; /* the warm-ups' bounds first */
-            if ((s = ctx->dev->launch(ctx, kb, grid, &a))) goto done;
-            a.fz_mode = 2;
-            KDA__FZ_GRID(nvb);
-            if ((s = ctx->dev->launch(ctx, kda__fused_bounded(kf), grid, &a))) goto done;
-        }
         a.fz_mode = 1; /* segment transitions */
         ncb = nvb + kda__fused_kblocks(kf, p);
-        KDA__FZ_GRID(ncb);
+        KDA__FZ_GRID(pe, ncb);
         if ((s = ctx->dev->launch(ctx, kf, grid, &a))) goto done;
         grid[0] = (unsigned)N; grid[1] = (unsigned)p->HV; grid[2] = (unsigned)((p->V + 15) / 16);
         if ((s = ctx->dev->launch(ctx, kc, grid, &a))) goto done;
     }
     a.fz_mode = 0; /* the output pass */
-    KDA__FZ_GRID(nvb);
+    KDA__FZ_GRID(pe, nvb);
     s = ctx->dev->launch(ctx, kf, grid, &a);
 #undef KDA__FZ_GRID
 #undef KDA__FZ_BUF

@@ -51,6 +51,7 @@ static std::vector<int> emu_warm_flags;         // the flags fwd_bound wrote (th
 static std::vector<unsigned char> emu_o_bounded; // o as the bounded pass left it (emu_o_bytes of it)
 static size_t emu_o_bytes;
 static long long emu_cut[2];                    // and its pieces a sequence and their chunks (fixed lengths)
+static long long emu_exact_cut[3];              // the exact passes' after it: pieces, a sequence's, their chunks
 static int emu_most_pieces(const kda__kparams *a) { // of one sequence, by the piece table (kda_fz_base)
     int most = a->fz_piece ? 1 : (int)a->fz_nseg;
     for (long long n = 0; a->fz_piece && n < a->N; n++)
@@ -73,6 +74,8 @@ static kda_status emu_launch(kda_context *ctx, const kda__kdesc *k, const unsign
                     emu_pieces.assign(a->fz_piece, a->fz_piece ? a->fz_piece + 3 * a->fz_npieces + a->N + 1 : a->fz_piece),
                     emu_cut[0] = a->fz_nseg, emu_cut[1] = a->fz_each,
                     emu_o_bounded.assign((const unsigned char *)a->o, (const unsigned char *)a->o + emu_o_bytes);
+            if (!strcmp(k->stage, "fwd_fused") && a->fz_mode == 0 && a->fz_flags)
+                emu_exact_cut[0] = a->fz_npieces, emu_exact_cut[1] = a->fz_nseg, emu_exact_cut[2] = a->fz_each;
             return KDA_OK;
         }
     return kda__fail(ctx, KDA_ERROR_INTERNAL, "emulator: no kernel %s", k->name);
@@ -508,8 +511,8 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
 // where every key channel decays (head 0: g = -2 a token, 2^-92 over the warm-up) a piece
 // keeps what its warm-up gave; where one keeps its state (head 1: g = logsigmoid(randn),
 // about 2^-3) or, with growth, a gate inside the first sequence's piece 2 (chunks 10-12) is
-// positive, the bound fails and the exact split's passes redo that sequence and head: bit
-// for bit KDA_SPLIT=exact's o and ht. Everything within 1e-2 of the CPU's forward. K = 100
+// positive, the bound fails and the exact split's passes redo that sequence and head, cut
+// as the exact split cuts (no warm-up): bit for bit KDA_SPLIT=exact's o and ht. Everything within 1e-2 of the CPU's forward. K = 100
 // leaves channels of the 128-key tile outside K, which must not enter the bound. Varlen:
 // sequences of 13, 3 and 7 chunks in 3, 1 and 2 pieces, launched longest first. In the
 // emulator: fwd_bound flags the warm-ups' failures (head 1) and not the later positive
@@ -543,6 +546,7 @@ static void run_fused_bounded_split(int K, bool growth, bool varlen) {
 #ifdef KDA_TEST_EMU
     emu_flags.clear();
     emu_warm_flags.clear();
+    memset(emu_exact_cut, 0, sizeof emu_exact_cut);
     emu_o_bytes = I.nv * es;
 #endif
     for (int side = 0; side < 3; side++) { /* CPU, bounded split, exact split */
@@ -576,9 +580,13 @@ static void run_fused_bounded_split(int K, bool growth, bool varlen) {
                     }
             CHECK(emu_o_bounded.size() == emu_o_bytes && skipped && wrote, "%s: the bounded pass skipped head 1 (%d), wrote head 0 (%d)",
                   name, skipped, wrote);
-            if (!varlen) { // no table: 3 pieces of 6 chunks, warm-up included (kda_fz_span), flags by slot = piece
+            if (!varlen) { // no table: 3 pieces of 6 chunks, warm-up included (kda_fz_span), flags by slot = piece;
+                // the exact passes after it cut for themselves: 3 pieces of 5 chunks, no warm-up
                 CHECK(emu_pieces.empty() && emu_cut[0] == 3 && emu_cut[1] == 6, "%s: %zu table entries, %lld pieces of %lld chunks",
                       name, emu_pieces.size(), emu_cut[0], emu_cut[1]);
+                CHECK(emu_exact_cut[0] == 3 && emu_exact_cut[1] == 3 && emu_exact_cut[2] == 5,
+                      "%s: the exact passes ran %lld pieces, %lld a sequence, of %lld chunks", name, emu_exact_cut[0], emu_exact_cut[1],
+                      emu_exact_cut[2]);
                 for (int sl = 1; sl < 3 && emu_flags.size() == 6; sl++)
                     for (int hv = 0; hv < 2; hv++) {
                         const int want = hv == 1 || (growth && sl == 2);
