@@ -2143,6 +2143,8 @@ typedef struct kda__devops {
     void (*destroy)(kda_context *ctx);
     int (*sm_count)(kda_context *ctx); /* streaming multiprocessors; NULL: unknown */
     int (*smem_optin)(kda_context *ctx); /* most dynamic shared memory a block may have; NULL: unknown */
+    /* launch, right after another kernel of the same call that it depends on; NULL: launch */
+    kda_status (*launch_after)(kda_context *ctx, const kda__kdesc *k, const unsigned grid[3], const kda__kparams *a);
 } kda__devops;
 
 static int kda__on_device(const kda_context *ctx) { return ctx->dev != NULL; }
@@ -2522,6 +2524,7 @@ typedef struct {
     kda__CUresult (*func_attr)(kda__CUfunction, int, int);
     kda__CUresult (*launch)(kda__CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                             kda__CUstream, void **, void **);
+    kda__CUresult (*launch_ex)(const void *, kda__CUfunction, void **, void **); /* CUDA 12+; NULL: older */
     kda__CUresult (*mem_alloc)(kda__CUdeviceptr *, size_t);
     kda__CUresult (*mem_free)(kda__CUdeviceptr);
     kda__CUresult (*mem_alloc_async)(kda__CUdeviceptr *, size_t, kda__CUstream);
@@ -2543,7 +2546,7 @@ typedef struct {
     char nv_tried[512];
     kda__CUdevice dev;
     kda__CUcontext pctx;
-    int cc_major, cc_minor, async_alloc, sms, smem_optin;
+    int cc_major, cc_minor, async_alloc, sms, smem_optin, pdl;
     char arch[16], name[128];
     char cache_dir[1024];
     int cache_state; /* 0 unknown, 1 usable, -1 unusable (warned) */
@@ -2799,6 +2802,42 @@ static kda_status kda__cu_launch(kda_context *ctx, const kda__kdesc *k, const un
     return r ? kda__cu_fail(ctx, c, r, "cuLaunchKernel", k->name) : KDA_OK;
 }
 
+/* kda__cu_launch with programmatic stream serialization (sm_90, cuLaunchKernelEx): the
+ * kernel may launch while the one before it in the stream still runs, once that one's
+ * blocks have all started, and waits for its end itself (kda_common's kda_pdl_enter); for
+ * the fused forward's chain of kernels, whose later ones otherwise wait a launch each.
+ * Elsewhere, or with KDA_PDL=0, a plain launch. */
+static kda_status kda__cu_launch_after(kda_context *ctx, const kda__kdesc *k, const unsigned grid[3], const kda__kparams *a) {
+    typedef struct { int id; char pad[4]; union { char raw[64]; long long align; int allowed; } v; } attr_t;
+    typedef struct {
+        unsigned grid[3], block[3], smem;
+        kda__CUstream stream;
+        attr_t *attrs;
+        unsigned nattrs;
+    } config_t; /* CUlaunchConfig and CUlaunchAttribute, as cuda.h lays them out */
+    kda__cuda *c = kda__cu_state(ctx);
+    kda__CUfunction fn = NULL;
+    void *args[1];
+    kda__kparams copy = *a;
+    attr_t at;
+    config_t cf;
+    kda__CUresult r;
+    kda_status s;
+    if (!c->pdl) return kda__cu_launch(ctx, k, grid, a);
+    if ((s = kda__cu_enter(ctx, c))) return s;
+    if ((s = kda__cu_function(ctx, c, k, &fn))) { kda__cu_leave(c); return s; }
+    memset(&at, 0, sizeof at);
+    at.id = 6, at.v.allowed = 1; /* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION */
+    memset(&cf, 0, sizeof cf);
+    cf.grid[0] = grid[0], cf.grid[1] = grid[1], cf.grid[2] = grid[2];
+    cf.block[0] = (unsigned)k->threads, cf.block[1] = cf.block[2] = 1;
+    cf.smem = (unsigned)k->smem, cf.stream = (kda__CUstream)ctx->stream, cf.attrs = &at, cf.nattrs = 1;
+    args[0] = &copy;
+    r = c->cu.launch_ex(&cf, fn, args, NULL);
+    kda__cu_leave(c);
+    return r ? kda__cu_fail(ctx, c, r, "cuLaunchKernelEx", k->name) : KDA_OK;
+}
+
 static void kda__cu_destroy(kda_context *ctx) {
     kda__cuda *c = kda__cu_state(ctx);
     int i;
@@ -2818,7 +2857,8 @@ static void kda__cu_destroy(kda_context *ctx) {
 static int kda__cu_sms(kda_context *ctx) { return kda__cu_state(ctx)->sms; }
 static int kda__cu_smem_optin(kda_context *ctx) { return kda__cu_state(ctx)->smem_optin; }
 static const kda__devops kda__cuda_ops = {"cuda", kda__cu_alloc, kda__cu_release, kda__cu_copy, kda__cu_fill,
-                                          kda__cu_launch, kda__cu_sync, kda__cu_destroy, kda__cu_sms, kda__cu_smem_optin};
+                                          kda__cu_launch, kda__cu_sync, kda__cu_destroy, kda__cu_sms, kda__cu_smem_optin,
+                                          kda__cu_launch_after};
 typedef kda_status (*kda__launch_fn)(kda_context *, const kda__kdesc *, const unsigned[3], const kda__kparams *);
 static kda__launch_fn kda__cu_launch_ptr(void) { return kda__cu_launch; }
 
@@ -2856,6 +2896,7 @@ static kda_status kda__cuda_open(kda_context *ctx) {
 #undef KDA__CUSYM
     *(void **)&c->cu.mem_alloc_async = dlsym(c->cu.lib, "cuMemAllocAsync");
     *(void **)&c->cu.mem_free_async = dlsym(c->cu.lib, "cuMemFreeAsync");
+    *(void **)&c->cu.launch_ex = dlsym(c->cu.lib, "cuLaunchKernelEx");
     KDA__CU(c->cu.init(0), "cuInit", "");
     KDA__CU(c->cu.device_count(&count), "cuDeviceGetCount", "");
     if (ctx->opt.device < 0 || ctx->opt.device >= count)
@@ -2876,6 +2917,7 @@ static kda_status kda__cuda_open(kda_context *ctx) {
                          c->name, c->cc_major, c->cc_minor);
     /* Hopper's wgmma needs the arch-specific target */
     snprintf(c->arch, sizeof c->arch, "sm_%d%d%s", c->cc_major, c->cc_minor, c->cc_major == 9 ? "a" : "");
+    c->pdl = c->cc_major >= 9 && c->cu.launch_ex && kda__env_int("KDA_PDL", 1) > 0; /* kda__cu_launch_after */
     KDA__CU(c->cu.primary_retain(&c->pctx, c->dev), "cuDevicePrimaryCtxRetain", c->name);
     c->nv_ok = kda__nvrtc_load(&c->nv, c->nv_tried, sizeof c->nv_tried) == 0;
     kda__log(ctx, "context: cuda device %d (%s, %s), nvrtc %s", ctx->opt.device, c->name, c->arch,
@@ -3817,6 +3859,14 @@ static const kda__kdesc *kda__fused_bounded(const kda__kdesc *k) {
     return NULL;
 }
 
+/* Launches kernel k of a chain: after the chain's first, with programmatic stream
+ * serialization where the device has it (devops launch_after) */
+static kda_status kda__chain_launch(kda_context *ctx, int *chained, const kda__kdesc *k, const unsigned grid[3],
+                                    const kda__kparams *a) {
+    const int after = (*chained)++ > 0 && ctx->dev->launch_after;
+    return (after ? ctx->dev->launch_after : ctx->dev->launch)(ctx, k, grid, a);
+}
+
 static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_problem *p, const kda_fwd_outputs *out,
                                  const kda__kdesc *kf) {
     const kda__kdesc *kc = kda__kernel_find(ctx, KDA__STAGE_FWD_COMBINE, p);
@@ -3833,7 +3883,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     long long cap = LLONG_MAX;
     unsigned grid[3];
     void *ws = NULL;
-    int owned = 0;
+    int owned = 0, chained = 0;
     char *at;
     const int *etab;
     kda__fz_plan pl, pe;
@@ -3878,10 +3928,10 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
         a.fz_flags = (int *)KDA__FZ_BUF(bf);
         a.fz_fseq = pl.tab ? a.fz_piece + 3 * pl.np : NULL, a.fz_fnseg = pl.nseg; /* the flags' pieces */
         grid[0] = (unsigned)pl.np; grid[1] = (unsigned)p->HV; grid[2] = 1u; /* the warm-ups' bounds first */
-        if ((s = ctx->dev->launch(ctx, kb, grid, &a))) goto done;
+        if ((s = kda__chain_launch(ctx, &chained, kb, grid, &a))) goto done;
         a.fz_mode = 2;
         KDA__FZ_GRID(pl, nvb);
-        if ((s = ctx->dev->launch(ctx, kda__fused_bounded(kf), grid, &a))) goto done;
+        if ((s = kda__chain_launch(ctx, &chained, kda__fused_bounded(kf), grid, &a))) goto done;
         a.fz_piece = pe.tab ? etab : NULL; /* the exact passes' own cut */
         a.fz_npieces = pe.np, a.fz_nseg = pe.nseg, a.fz_each = pe.each, a.fz_warm = 0;
     }
@@ -3891,13 +3941,13 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
         a.fz_mode = 1; /* segment transitions */
         ncb = nvb + kda__fused_kblocks(kf, p);
         KDA__FZ_GRID(pe, ncb);
-        if ((s = ctx->dev->launch(ctx, kf, grid, &a))) goto done;
+        if ((s = kda__chain_launch(ctx, &chained, kf, grid, &a))) goto done;
         grid[0] = (unsigned)N; grid[1] = (unsigned)p->HV; grid[2] = (unsigned)((p->V + 15) / 16);
-        if ((s = ctx->dev->launch(ctx, kc, grid, &a))) goto done;
+        if ((s = kda__chain_launch(ctx, &chained, kc, grid, &a))) goto done;
     }
     a.fz_mode = 0; /* the output pass */
     KDA__FZ_GRID(pe, nvb);
-    s = ctx->dev->launch(ctx, kf, grid, &a);
+    s = kda__chain_launch(ctx, &chained, kf, grid, &a);
 #undef KDA__FZ_GRID
 #undef KDA__FZ_BUF
 done:
