@@ -2787,27 +2787,13 @@ static kda_status kda__cu_function(kda_context *ctx, kda__cuda *c, const kda__kd
     return s;
 }
 
-static kda_status kda__cu_launch(kda_context *ctx, const kda__kdesc *k, const unsigned grid[3], const kda__kparams *a) {
-    kda__cuda *c = kda__cu_state(ctx);
-    kda__CUfunction fn = NULL;
-    void *args[1];
-    kda__kparams copy = *a;
-    kda__CUresult r;
-    kda_status s;
-    if ((s = kda__cu_enter(ctx, c))) return s;
-    if ((s = kda__cu_function(ctx, c, k, &fn))) { kda__cu_leave(c); return s; }
-    args[0] = &copy;
-    r = c->cu.launch(fn, grid[0], grid[1], grid[2], (unsigned)k->threads, 1, 1, (unsigned)k->smem, (kda__CUstream)ctx->stream, args, NULL);
-    kda__cu_leave(c);
-    return r ? kda__cu_fail(ctx, c, r, "cuLaunchKernel", k->name) : KDA_OK;
-}
-
-/* kda__cu_launch with programmatic stream serialization (sm_90, cuLaunchKernelEx): the
- * kernel may launch while the one before it in the stream still runs, once that one's
- * blocks have all started, and waits for its end itself (kda_common's kda_pdl_enter); for
- * the fused forward's chain of kernels, whose later ones otherwise wait a launch each.
- * Elsewhere, or with KDA_PDL=0, a plain launch. */
-static kda_status kda__cu_launch_after(kda_context *ctx, const kda__kdesc *k, const unsigned grid[3], const kda__kparams *a) {
+/* A launch on the context's stream; pdl: with programmatic stream serialization (sm_90,
+ * cuLaunchKernelEx), so that the kernel may launch while the one before it in the stream
+ * still runs, once that one's blocks have all started, and waits for its end itself
+ * (kda_common's kda_pdl_wait): the fused forward's chain of kernels, whose later ones
+ * otherwise wait a launch each. */
+static kda_status kda__cu_launch_pdl(kda_context *ctx, const kda__kdesc *k, const unsigned grid[3], const kda__kparams *a,
+                                     int pdl) {
     typedef struct { int id; char pad[4]; union { char raw[64]; long long align; int allowed; } v; } attr_t;
     typedef struct {
         unsigned grid[3], block[3], smem;
@@ -2823,19 +2809,31 @@ static kda_status kda__cu_launch_after(kda_context *ctx, const kda__kdesc *k, co
     config_t cf;
     kda__CUresult r;
     kda_status s;
-    if (!c->pdl) return kda__cu_launch(ctx, k, grid, a);
     if ((s = kda__cu_enter(ctx, c))) return s;
     if ((s = kda__cu_function(ctx, c, k, &fn))) { kda__cu_leave(c); return s; }
-    memset(&at, 0, sizeof at);
-    at.id = 6, at.v.allowed = 1; /* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION */
-    memset(&cf, 0, sizeof cf);
-    cf.grid[0] = grid[0], cf.grid[1] = grid[1], cf.grid[2] = grid[2];
-    cf.block[0] = (unsigned)k->threads, cf.block[1] = cf.block[2] = 1;
-    cf.smem = (unsigned)k->smem, cf.stream = (kda__CUstream)ctx->stream, cf.attrs = &at, cf.nattrs = 1;
     args[0] = &copy;
-    r = c->cu.launch_ex(&cf, fn, args, NULL);
+    if (pdl) {
+        memset(&at, 0, sizeof at);
+        at.id = 6, at.v.allowed = 1; /* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION */
+        memset(&cf, 0, sizeof cf);
+        cf.grid[0] = grid[0], cf.grid[1] = grid[1], cf.grid[2] = grid[2];
+        cf.block[0] = (unsigned)k->threads, cf.block[1] = cf.block[2] = 1;
+        cf.smem = (unsigned)k->smem, cf.stream = (kda__CUstream)ctx->stream, cf.attrs = &at, cf.nattrs = 1;
+        r = c->cu.launch_ex(&cf, fn, args, NULL);
+    } else {
+        r = c->cu.launch(fn, grid[0], grid[1], grid[2], (unsigned)k->threads, 1, 1, (unsigned)k->smem, (kda__CUstream)ctx->stream,
+                         args, NULL);
+    }
     kda__cu_leave(c);
-    return r ? kda__cu_fail(ctx, c, r, "cuLaunchKernelEx", k->name) : KDA_OK;
+    return r ? kda__cu_fail(ctx, c, r, pdl ? "cuLaunchKernelEx" : "cuLaunchKernel", k->name) : KDA_OK;
+}
+static kda_status kda__cu_launch(kda_context *ctx, const kda__kdesc *k, const unsigned grid[3], const kda__kparams *a) {
+    return kda__cu_launch_pdl(ctx, k, grid, a, 0);
+}
+/* devops launch_after: with programmatic stream serialization where the device and driver
+ * have it and KDA_PDL is not 0 */
+static kda_status kda__cu_launch_after(kda_context *ctx, const kda__kdesc *k, const unsigned grid[3], const kda__kparams *a) {
+    return kda__cu_launch_pdl(ctx, k, grid, a, kda__cu_state(ctx)->pdl);
 }
 
 static void kda__cu_destroy(kda_context *ctx) {
