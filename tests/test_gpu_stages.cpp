@@ -679,6 +679,35 @@ static void run_fused_plan_model() {
 }
 
 #ifdef KDA_TEST_EMU
+// The exact split's plan (host only), B1 T8192 H32 K=V=128 on 132 multiprocessors: the
+// bounded split takes 4 pieces (128 blocks, one wave); the exact passes that redo it where
+// a bound fails take 5 (a transition pass of 224 blocks in two waves of 103 chunks ends
+// before 4 pieces' 160 blocks in two waves of 128). Timing only the last candidate of a
+// wave count, as the bounded split may, counts the output pass's blocks and gives 4. On
+// the H100 with Kimi Linear's gates: 5 pieces 0.676 ms, 4 pieces 0.742 (2026-11-25).
+static int emu_sms_h100(kda_context *) { return 132; }
+static void run_fused_exact_plan_times_every_candidate() {
+    t_current = "fused";
+    static kda__devops ops = emu_ops;
+    ops.sm_count = emu_sms_h100;
+    kda_context *ctx = NULL;
+    CHECK(kda__context_create_dev(&ctx, KDA_BACKEND_CUDA, &ops, NULL, NULL) == KDA_OK, "exact plan: no context");
+    if (!ctx) return;
+    kda_problem p = kda_problem_default(1, 8192, 32, 128, 128);
+    p.dtype = KDA_BF16; p.qk_l2norm = 1;
+    const kda__kdesc *kf = NULL;
+    for (int i = 0; i < KDA__NUM_KERNELS; i++)
+        if (!strcmp(kda__kernels[i].name, "kda_fwd_fused_dtypebf16_bk128_bv128_varlen0")) kf = &kda__kernels[i];
+    const long long len = 8192;
+    kda__fz_plan bounded, exact;
+    memset(&bounded, 0, sizeof bounded); memset(&exact, 0, sizeof exact);
+    CHECK(kf && kda__fused_plan(ctx, &p, kf, &len, 1, LLONG_MAX, 16, &bounded) == KDA_OK &&
+              kda__fused_plan(ctx, &p, kf, &len, 1, LLONG_MAX, -1, &exact) == KDA_OK, "exact plan: %s", kda_last_error(ctx));
+    CHECK(bounded.np == 4 && exact.np == 5, "exact plan: the bounded split in %lld pieces (want 4), the exact one in %lld (want 5)",
+          bounded.np, exact.np);
+    kda_context_destroy(ctx);
+}
+
 // The fused forward keeps its plan for calls that repeat it and makes a new one when the
 // lengths change: after a batch of 200, 35 and 100 tokens, one of 35, 200 and 100 (same
 // problem, same total) gets the pieces and the bits of a fresh context.
@@ -1012,6 +1041,7 @@ int main(int argc, char **argv) {
         run_fused_bounded_split(64, true, true);
 #ifdef KDA_TEST_EMU
         run_fused_replans_for_new_lengths();
+        run_fused_exact_plan_times_every_candidate();
 #endif
 #ifdef KDA_TEST_EMU
         run_fused_declines_without_shared_memory(fused_configs()[0]);
