@@ -52,6 +52,40 @@ static std::vector<unsigned char> emu_o_bounded; // o as the bounded pass left i
 static size_t emu_o_bytes;
 static long long emu_cut[2];                    // and its pieces a sequence and their chunks (fixed lengths)
 static long long emu_exact_cut[3];              // the exact passes' after it: pieces, a sequence's, their chunks
+static std::vector<double> emu_warm_sums;      // fwd_bound's bound recomputed on the host: [slot][HV], NAN where no state is dropped
+// B = sum over a piece's warm-up tokens of max_d g_t[d] / ln 2 in double, from the launch's
+// own pieces (kda_fz_piece; fixed lengths cut as kda_fz_span, written out again here)
+static void emu_warm_sums_of(const kda__kparams *a) {
+    emu_warm_sums.assign((size_t)a->fz_npieces * a->HV, NAN);
+    for (long long slot = 0; slot < a->fz_npieces; slot++) {
+        long long n, cb = 0, base;
+        if (a->fz_piece) {
+            n = a->fz_piece[a->fz_npieces + slot], cb = a->fz_piece[2 * a->fz_npieces + slot], base = a->fz_piece[3 * a->fz_npieces + n];
+        } else {
+            n = slot / a->fz_nseg, base = n * a->fz_nseg;
+            for (long long k = 0, len = a->fz_each; k <= slot % a->fz_nseg; k++) {
+                if (k) cb += len;
+                len = std::max(a->fz_each - (k ? std::min(cb, a->fz_warm) : 0), 1LL);
+            }
+        }
+        const long long cw = std::max(cb - a->fz_warm, 0LL), bos = a->varlen ? a->seq_bos[n] : n * a->T;
+        if (slot == base || cw == 0) continue;
+        for (long long hv = 0; hv < a->HV; hv++) {
+            double B = 0.0;
+            for (long long t = bos + 16 * cw; t < bos + 16 * cb; t++) {
+                double m = -INFINITY;
+                for (long long d = 0; d < a->K; d++) {
+                    const double x = kda__ld(a->g, (kda_dtype)a->g_dtype, (size_t)((t * a->HV + hv) * a->K + d));
+                    const double z = x + (a->dt_bias ? (double)a->dt_bias[hv * a->K + d] : 0.0), ea = a->A_log ? exp((double)a->A_log[hv]) : 1.0;
+                    m = std::max(m, a->gate == KDA_GATE_SOFTPLUS ? -ea * (z > 20.0 ? z : log1p(exp(z)))
+                                    : a->gate == KDA_GATE_LOWER_BOUND ? a->lower_bound / (1.0 + exp(-ea * z)) : x);
+                }
+                B += m / log(2.0);
+            }
+            emu_warm_sums[slot * a->HV + hv] = B;
+        }
+    }
+}
 static int emu_most_pieces(const kda__kparams *a) { // of one sequence, by the piece table (kda_fz_base)
     int most = a->fz_piece ? 1 : (int)a->fz_nseg;
     for (long long n = 0; a->fz_piece && n < a->N; n++)
@@ -68,7 +102,8 @@ static kda_status emu_launch(kda_context *ctx, const kda__kdesc *k, const unsign
             memcpy(&prm, a, sizeof prm);
             kda_emu_launch(e.fn, g, (unsigned)k->threads, prm);
             emu_launches++;
-            if (!strcmp(k->stage, "fwd_bound")) emu_warm_flags.assign(a->fz_flags, a->fz_flags + a->fz_npieces * a->HV);
+            if (!strcmp(k->stage, "fwd_bound"))
+                emu_warm_flags.assign(a->fz_flags, a->fz_flags + a->fz_npieces * a->HV), emu_warm_sums_of(a);
             if (!strcmp(k->stage, "fwd_fused_bounded"))
                 emu_flags.assign(a->fz_flags, a->fz_flags + a->fz_npieces * a->HV),
                     emu_pieces.assign(a->fz_piece, a->fz_piece ? a->fz_piece + 3 * a->fz_npieces + a->N + 1 : a->fz_piece),
@@ -636,6 +671,91 @@ static void run_fused_bounded_split(int K, bool growth, bool varlen) {
     kda_context_destroy(cpu);
 }
 
+#ifdef KDA_TEST_EMU
+// fwd_bound flags a piece exactly where its warm-up's bound B (the sum over its tokens of the
+// largest gate, base 2) exceeds -24: each gate form and g dtype, per-channel biases, K that
+// takes the rows' 4-value loads (64, 128) and K that does not (50), fixed lengths and varlen.
+// Each head's raw gates sit at a level that puts B on one side of -24 or the other, with
+// noise over channels and tokens, so the largest gate is a different channel every token.
+static void run_fused_bound_flags_match_the_warmup_sums() {
+    struct G { int gate; kda_dtype gd; int K; bool varlen, kimi; double lo, hi; } cases[] = {
+        {KDA_GATE_NONE, KDA_F32, 64, false, false, -1.2, -0.2},         // g itself: B from -55 to -9 over 32 tokens
+        {KDA_GATE_SOFTPLUS, KDA_BF16, 50, false, false, -2.0, 1.5},     // -softplus(z): its largest at the smallest z
+        {KDA_GATE_SOFTPLUS, KDA_F32, 128, true, false, -2.0, 1.5},
+        {KDA_GATE_LOWER_BOUND, KDA_F16, 64, false, false, -4.0, 0.5},   // -5 sigmoid(z): its largest at the smallest z
+        {KDA_GATE_LOWER_BOUND, KDA_BF16, 128, true, false, -4.0, 0.5},
+        // Kimi Linear's initialisation (kda-bench --gate kimi): raw g = randn, A = U(1, 16),
+        // dt_bias = log(expm1(dt)), dt = exp U(log 1e-3, log 1e-1); its slow channels fail every warm-up
+        {KDA_GATE_SOFTPLUS, KDA_F32, 128, false, true, 0.0, 0.0},
+    };
+    kda_context *cpu = t_cpu();
+    t_current = "fused";
+    for (const G &c : cases) {
+        char name[96];
+        snprintf(name, sizeof name, "fused_bound_flags_gate%d_g%d_K%d%s%s", c.gate, (int)c.gd, c.K, c.varlen ? "_varlen" : "", c.kimi ? "_kimi" : "");
+        const int HV = 8;
+        kda_problem p0 = kda_problem_default(1, c.varlen ? 290 : 200, 1, c.K, 16);
+        p0.HV = HV; p0.dtype = c.gd == KDA_F16 ? KDA_F16 : KDA_BF16; p0.g_dtype = c.gd; p0.qk_l2norm = 1; p0.gate = (kda_gate)c.gate; p0.lower_bound = -5.0f;
+        const std::vector<long long> cu = {0, 200, 290};
+        if (c.varlen) p0.num_seqs = 2, p0.seqlens_type = KDA_INDEX_I64;
+        t_inst I;
+        t_inst_init(&I, &p0, c.varlen ? cu.data() : NULL, 1, 0);
+        const kda_problem &p = I.p;
+        unsigned rng = 12345u + (unsigned)c.K;
+        auto uni = [&]() { rng = rng * 1664525u + 1013904223u; return (double)(rng >> 8) / 16777216.0; };
+        for (int hv = 0; hv < HV && I.A_log; hv++) { // (the gated forms')
+            I.A_log[hv] = (float)(0.3 * (uni() - 0.5));
+            for (int d = 0; d < c.K; d++) I.dt_bias[hv * c.K + d] = (float)(0.4 * (uni() - 0.5));
+        }
+        for (long long t = 0; t < p.T; t++)
+            for (int hv = 0; hv < HV; hv++) // head hv's level, from lo to hi
+                for (int d = 0; d < c.K; d++)
+                    I.g[((size_t)t * HV + hv) * c.K + d] = (float)(c.lo + (c.hi - c.lo) * hv / (HV - 1) + 0.6 * (uni() - 0.5));
+        for (size_t i = 0; i < I.nb; i++) I.beta[i] = (float)uni(); // in [0, 1): no b fails
+        for (int hv = 0; hv < HV && c.kimi; hv++) {
+            I.A_log[hv] = (float)log(1.0 + 15.0 * uni());
+            for (int d = 0; d < c.K; d++) I.dt_bias[hv * c.K + d] = (float)log(expm1(exp(log(1e-3) + uni() * (log(1e-1) - log(1e-3)))));
+        }
+        for (size_t i = 0; i < I.ng && c.kimi; i++) I.g[i] = (float)t_randn();
+        DevIn X;
+        dev_inputs(X, I);
+        Out o, ht;
+        o.init(I.nv * kda_dtype_size(p.dtype)); ht.init(I.ns * 4);
+        kda_fwd_outputs out;
+        memset(&out, 0, sizeof out);
+        out.o = o.c.data(), out.ht = (float *)ht.c.data();
+        CHECK(kda_chunk_fwd(cpu, &p, &X.host, &out) == KDA_OK, "%s: CPU fwd: %s", name, kda_last_error(cpu));
+        out.o = o.d, out.ht = (float *)ht.d;
+        setenv("KDA_SEGMENTS", "4", 1); setenv("KDA_WARMUP", "2", 1); setenv("KDA_SPLIT", "bounded", 1);
+        emu_warm_flags.clear(), emu_warm_sums.clear();
+        CHECK(kda_chunk_fwd(g_dev, &p, &X.dev, &out) == KDA_OK, "%s: fwd: %s", name, kda_last_error(g_dev));
+        unsetenv("KDA_SEGMENTS"); unsetenv("KDA_WARMUP"); unsetenv("KDA_SPLIT");
+        // the output either way: bounded where the flags held, the exact split (fwd_combine
+        // included, K % 4 != 0 too) where they failed
+        o.fetch(), ht.fetch();
+        const double eo = err_t(o.c.data(), o.h.data(), I.nv, p.dtype), eh = err_f((float *)ht.c.data(), (float *)ht.h.data(), I.ns);
+        CHECK(eo <= 1e-2 && eh <= 1e-2, "%s: o error %.3g, ht error %.3g", name, eo, eh);
+        int held = 0, failed = 0, wrong = 0;
+        CHECK(!emu_warm_sums.empty() && emu_warm_flags.size() == emu_warm_sums.size(), "%s: fwd_bound ran (%zu flags, %zu sums)", name,
+              emu_warm_flags.size(), emu_warm_sums.size());
+        for (size_t f = 0; f < emu_warm_sums.size() && f < emu_warm_flags.size(); f++) {
+            const double B = emu_warm_sums[f];
+            if (std::isnan(B)) { CHECK(emu_warm_flags[f] == 0, "%s: slot %zu drops no state but is flagged", name, f / HV); continue; }
+            if (fabs(B + 24.0) < 1e-3) continue; // (float and double may part there)
+            const int want = B > -24.0;
+            held += !want, failed += want;
+            if (emu_warm_flags[f] != want && wrong++ < 3)
+                CHECK(false, "%s: slot %zu head %zu: B = %.4f, flag %d", name, f / HV, f % HV, B, emu_warm_flags[f]);
+        }
+        CHECK((held >= 4 || c.kimi) && failed >= 4, "%s: %d warm-ups held and %d failed: the levels do not straddle the bound", name, held, failed);
+        printf("  %s: %d warm-ups held, %d failed, %d flags wrong; o %.2e ht %.2e\n", name, held, failed, wrong, eo, eh);
+        dfree_all();
+        t_inst_free(&I);
+    }
+    kda_context_destroy(cpu);
+}
+#endif
+
 // The fused forward's plan (host only). kda__launch_time, which hands out whole rounds at
 // once, ends where handing out block by block to the first free multiprocessor ends; and
 // kda__fz_cut covers a sequence with pieces that each run the same chunks, warm-up included,
@@ -1042,6 +1162,7 @@ int main(int argc, char **argv) {
 #ifdef KDA_TEST_EMU
         run_fused_replans_for_new_lengths();
         run_fused_exact_plan_times_every_candidate();
+        run_fused_bound_flags_match_the_warmup_sums();
 #endif
 #ifdef KDA_TEST_EMU
         run_fused_declines_without_shared_memory(fused_configs()[0]);
