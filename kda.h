@@ -3622,6 +3622,7 @@ static long long kda__fz_run(const long long *len, long long np, const int *f, c
  * output), then an output pass of the pieces after the first, and of the sequences of one
  * piece. */
 #define KDA__FZ_CHECK 8.0
+#define KDA__COMBINE_COLS 32 /* state columns a block of fwd_combine (its template's R) */
 static double kda__fz_time(const kda_problem *p, const kda__kdesc *kf, const long long *len, long long np, const int *f,
                            const int *q, long long warm, int sms, kda__blocks *b1, kda__blocks *b0, double *h) {
     long long nvb = kda__fused_vblocks(kf, p), nkb = kda__fused_kblocks(kf, p), i, n0 = 0, n1 = 0, split = 0;
@@ -3940,7 +3941,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
         ncb = nvb + kda__fused_kblocks(kf, p);
         KDA__FZ_GRID(pe, ncb);
         if ((s = kda__chain_launch(ctx, &chained, kf, grid, &a))) goto done;
-        grid[0] = (unsigned)N; grid[1] = (unsigned)p->HV; grid[2] = (unsigned)((p->V + 15) / 16);
+        grid[0] = (unsigned)N; grid[1] = (unsigned)p->HV; grid[2] = (unsigned)((p->V + KDA__COMBINE_COLS - 1) / KDA__COMBINE_COLS);
         if ((s = kda__chain_launch(ctx, &chained, kc, grid, &a))) goto done;
     }
     a.fz_mode = 0; /* the output pass */

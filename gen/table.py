@@ -22,7 +22,7 @@ Launch geometry (`grid`) is named, and kda.h computes it from the problem:
   head         (HV, 1, 1)                    one block per value head
   fused        set by kda.h's fused forward: fwd_fused and fwd_fused_bounded take
                (N * pieces, HV, column blocks), varlen (pieces * column blocks * HV, 1, 1);
-               fwd_combine (N, HV, ceil(V / 16)); fwd_bound (pieces, HV, 1)
+               fwd_combine (N, HV, ceil(V / 32)); fwd_bound (pieces, HV, 1)
 
 `threads` and `smem` (bytes of dynamic shared memory, default 0) are numbers or
 expressions in the variant's axes.
@@ -56,7 +56,7 @@ STAGES = {
     "fwd_fused_bounded": dict(axes={"dtype": ["f16", "bf16"], "bk": [64, 128], "bv": [64, 128], "varlen": [0, 1]}, grid="fused",
                         threads="2*bv+256+128*(bv==64)", smem="1024*(34+bk) if bv == 128 else 1024*(bk*3//2+34)"),
     "fwd_bound":   dict(axes={}, grid="fused", threads=512),
-    "fwd_combine": dict(axes={}, grid="fused", threads=128),
+    "fwd_combine": dict(axes={}, grid="fused", threads=256),
     # backward
     "bwd_dav":     dict(axes={"bt": BTS, "dtype": DTYPES}, grid="chunk_head", threads=256),
     "bwd_dhu":     dict(axes={"bt": BTS, "bk": TILES, "bv": [32], "dtype": DTYPES}, grid="seq_head_v", threads=256),
