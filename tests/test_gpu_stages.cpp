@@ -728,6 +728,7 @@ static void run_fused_bound_flags_match_the_warmup_sums() {
         out.o = o.d, out.ht = (float *)ht.d;
         setenv("KDA_SEGMENTS", "4", 1); setenv("KDA_WARMUP", "2", 1); setenv("KDA_SPLIT", "bounded", 1);
         emu_warm_flags.clear(), emu_warm_sums.clear();
+        emu_o_bytes = I.nv * kda_dtype_size(p.dtype); // (what the hook copies of o: this o's size, not the last test's)
         CHECK(kda_chunk_fwd(g_dev, &p, &X.dev, &out) == KDA_OK, "%s: fwd: %s", name, kda_last_error(g_dev));
         unsetenv("KDA_SEGMENTS"); unsetenv("KDA_WARMUP"); unsetenv("KDA_SPLIT");
         // the output either way: bounded where the flags held, the exact split (fwd_combine
