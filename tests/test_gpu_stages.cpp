@@ -54,32 +54,30 @@ static long long emu_cut[2];                    // and its pieces a sequence and
 static long long emu_exact_cut[3];              // the exact passes' after it: pieces, a sequence's, their chunks
 static std::vector<double> emu_warm_sums;      // fwd_bound's bound recomputed on the host: [slot][HV], NAN where no state is dropped
 // B = sum over a piece's warm-up tokens of max_d g_t[d] / ln 2 in double, from the launch's
-// own pieces (kda_fz_piece; fixed lengths cut as kda_fz_span, written out again here)
+// own pieces (its table; fixed lengths cut by kda.h's kda__fz_cut, which kda_fz_span follows)
+// and kda.h's gate in double (kda__gate_value)
 static void emu_warm_sums_of(const kda__kparams *a) {
     emu_warm_sums.assign((size_t)a->fz_npieces * a->HV, NAN);
+    kda_problem gp = kda_problem_default(1, 1, 1, (int)a->K, 1); // what kda__gate_value reads: gate, K, lower bound
+    gp.gate = (kda_gate)a->gate, gp.lower_bound = (float)a->lower_bound;
+    kda_inputs gi;
+    memset(&gi, 0, sizeof gi);
+    gi.A_log = a->A_log, gi.dt_bias = a->dt_bias;
+    std::vector<int> first(a->fz_piece ? 0 : a->fz_nseg);
+    if (!a->fz_piece) kda__fz_cut((a->T + 15) / 16, a->fz_nseg, a->fz_warm, first.data());
     for (long long slot = 0; slot < a->fz_npieces; slot++) {
-        long long n, cb = 0, base;
-        if (a->fz_piece) {
-            n = a->fz_piece[a->fz_npieces + slot], cb = a->fz_piece[2 * a->fz_npieces + slot], base = a->fz_piece[3 * a->fz_npieces + n];
-        } else {
-            n = slot / a->fz_nseg, base = n * a->fz_nseg;
-            for (long long k = 0, len = a->fz_each; k <= slot % a->fz_nseg; k++) {
-                if (k) cb += len;
-                len = std::max(a->fz_each - (k ? std::min(cb, a->fz_warm) : 0), 1LL);
-            }
-        }
+        const long long n = a->fz_piece ? a->fz_piece[a->fz_npieces + slot] : slot / a->fz_nseg;
+        const long long cb = a->fz_piece ? a->fz_piece[2 * a->fz_npieces + slot] : first[slot % a->fz_nseg];
+        const long long base = a->fz_piece ? a->fz_piece[3 * a->fz_npieces + n] : n * a->fz_nseg;
         const long long cw = std::max(cb - a->fz_warm, 0LL), bos = a->varlen ? a->seq_bos[n] : n * a->T;
         if (slot == base || cw == 0) continue;
         for (long long hv = 0; hv < a->HV; hv++) {
             double B = 0.0;
             for (long long t = bos + 16 * cw; t < bos + 16 * cb; t++) {
                 double m = -INFINITY;
-                for (long long d = 0; d < a->K; d++) {
-                    const double x = kda__ld(a->g, (kda_dtype)a->g_dtype, (size_t)((t * a->HV + hv) * a->K + d));
-                    const double z = x + (a->dt_bias ? (double)a->dt_bias[hv * a->K + d] : 0.0), ea = a->A_log ? exp((double)a->A_log[hv]) : 1.0;
-                    m = std::max(m, a->gate == KDA_GATE_SOFTPLUS ? -ea * (z > 20.0 ? z : log1p(exp(z)))
-                                    : a->gate == KDA_GATE_LOWER_BOUND ? a->lower_bound / (1.0 + exp(-ea * z)) : x);
-                }
+                for (long long d = 0; d < a->K; d++)
+                    m = std::max(m, kda__gate_value(&gp, &gi, (int)hv, (int)d,
+                                                    kda__ld(a->g, (kda_dtype)a->g_dtype, (size_t)((t * a->HV + hv) * a->K + d))));
                 B += m / log(2.0);
             }
             emu_warm_sums[slot * a->HV + hv] = B;
