@@ -543,17 +543,20 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
 // The bounded split (KDA_SEGMENTS=3: the longest sequence in 3 pieces; KDA_WARMUP=2):
 // where every key channel decays (head 0: g = -2 a token, 2^-92 over the warm-up) a piece
 // keeps what its warm-up gave; where one keeps its state (head 1: g = logsigmoid(randn),
-// about 2^-3) or, with growth, a gate inside the first sequence's piece 2 (chunks 10-12) is
-// positive, the bound fails and the exact split's passes redo that sequence and head, cut
+// about 2^-3) or, late, a gate inside the first sequence's piece 2 (chunks 10-12) is
+// positive (LATE_GATE) or a b is outside [0, 2] (LATE_BETA), the bound fails and the exact split's passes redo that sequence and head, cut
 // as the exact split cuts (no warm-up): bit for bit KDA_SPLIT=exact's o and ht. Everything within 1e-2 of the CPU's forward. K = 100
 // leaves channels of the 128-key tile outside K, which must not enter the bound. Varlen:
 // sequences of 13, 3 and 7 chunks in 3, 1 and 2 pieces, launched longest first. In the
-// emulator: fwd_bound flags the warm-ups' failures (head 1) and not the later positive
-// gate, which the bounded pass flags; and the bounded pass leaves a sequence and head that
+// emulator: fwd_bound flags the warm-ups' failures (head 1) and not the later gate or b,
+// which the bounded pass flags; and the bounded pass leaves a sequence and head that
 // fwd_bound flagged to the exact passes (its o untouched).
-static void run_fused_bounded_split(int K, bool growth, bool varlen) {
+enum { LATE_NONE, LATE_GATE, LATE_BETA };
+static void run_fused_bounded_split(int K, int late, bool varlen) {
     char name[96];
-    snprintf(name, sizeof name, "fused_bounded_split_K%d%s%s", K, growth ? "_growth" : "", varlen ? "_varlen" : "");
+    const bool growth = late != LATE_NONE;
+    snprintf(name, sizeof name, "fused_bounded_split_K%d%s%s", K, late == LATE_GATE ? "_growth" : late == LATE_BETA ? "_wide_beta" : "",
+             varlen ? "_varlen" : "");
     kda_context *cpu = t_cpu();
     kda_problem p0 = kda_problem_default(1, varlen ? 335 : 200, 1, K, 32);
     p0.HV = 2; p0.dtype = KDA_BF16; p0.qk_l2norm = 1;
@@ -566,7 +569,9 @@ static void run_fused_bounded_split(int K, bool growth, bool varlen) {
     const int N = varlen ? 3 : 1, pieces[3] = {3, 1, 2};
     for (int r = 0; r < p.T; r++)
         for (int c = 0; c < K; c++) I.g[((size_t)r * p.HV + 0) * K + c] = -2.0f;
-    if (growth) I.g[((size_t)170 * p.HV + 0) * K + 3] = 0.5f; // token 170: the first sequence's piece 2 (tokens 160-199)
+    // token 170: the first sequence's piece 2 (tokens 160-199), after its warm-up (128-159)
+    if (late == LATE_GATE) I.g[((size_t)170 * p.HV + 0) * K + 3] = 0.5f;
+    if (late == LATE_BETA) I.beta[(size_t)170 * p.HV + 0] = 2.5f;
     auto fails = [&](int n, int hv) { return hv == 1 || (growth && n == 0); };
     DevIn X;
     dev_inputs(X, I);
@@ -1155,9 +1160,10 @@ int main(int argc, char **argv) {
             if (gate == GATE_WIDE || !race) run_fused(cf, "1", gate, "64"), run_fused(cf, "1", gate, "128"); // --race: the splits, which run segment 0 with output too
             if (gate != GATE_WIDE) run_fused(cf, "2", gate, "64"), run_fused(cf, "3", gate, "128"); // varlen: sequences of 1, 2 and 3 segments, an empty one
         }
-        if (!race) run_fused_bounded_split(64, false, false), run_fused_bounded_split(100, false, false);
-        run_fused_bounded_split(64, true, false);
-        run_fused_bounded_split(64, true, true);
+        if (!race) run_fused_bounded_split(64, LATE_NONE, false), run_fused_bounded_split(100, LATE_NONE, false);
+        run_fused_bounded_split(64, LATE_GATE, false);
+        run_fused_bounded_split(64, LATE_GATE, true);
+        if (!race) run_fused_bounded_split(64, LATE_BETA, false);
 #ifdef KDA_TEST_EMU
         run_fused_replans_for_new_lengths();
         run_fused_exact_plan_times_every_candidate();
