@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""A fused kernel's SASS by warp role, without a GPU: instructions and spill code per region.
+
+    make build/kda-aot
+    python3 bench/sass_regions.py [--arch sm_90a] NAME [NAME ...]
+    python3 bench/sass_regions.py kda_fwd_fused_dtypebf16_bk128_bv128_varlen0
+
+Compiles each kernel with build/kda-aot (kda.h's own NVRTC path), disassembles it with
+cuobjdump and splits it at its setmaxnreg instructions: the prologue, the factor warps
+(after USETMAXREG.DEALLOC) and the state warps (after USETMAXREG.TRY_ALLOC). For each
+region it prints the instruction count and the local-memory stores and loads (STL, LDL:
+spill code). Reloads inside the factor warps' region cost the fused forward time: one
+variant went from 5 to 17 of them and ran B8 10% slower (bench/RESULTS.md, 2026-11-26),
+while code size alone moved little. Check here before timing a kernel change on a GPU.
+
+cuobjdump comes from $CUDA_HOME/bin, /usr/local/cuda/bin or PATH (the nvidia-cuda-cuobjdump
+wheel puts one in site-packages/nvidia/cu13/bin: give it with --cuobjdump).
+"""
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def find_cuobjdump(given):
+    if given:
+        return given
+    for d in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if d and os.access(os.path.join(d, "bin", "cuobjdump"), os.X_OK):
+            return os.path.join(d, "bin", "cuobjdump")
+    return shutil.which("cuobjdump")
+
+
+def regions(sass):
+    """(name, instruction lines) for the prologue, factor and state regions"""
+    out, name, cur = [], "prologue", []
+    for line in sass.splitlines():
+        if not re.match(r"\s+/\*[0-9a-f]{4,}\*/", line):
+            continue
+        if "USETMAXREG.DEALLOC" in line or "USETMAXREG.TRY_ALLOC" in line:
+            out.append((name, cur))
+            name, cur = ("factor warps" if "DEALLOC" in line else "state warps"), []
+        cur.append(line)
+    out.append((name, cur))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("names", nargs="+", help="kernel names (kernels_generated/kda_kernels.h)")
+    ap.add_argument("--arch", default="sm_90a")
+    ap.add_argument("--cuobjdump", help="path to cuobjdump")
+    a = ap.parse_args()
+    aot, cuobjdump = os.path.join(ROOT, "build", "kda-aot"), find_cuobjdump(a.cuobjdump)
+    if not os.access(aot, os.X_OK):
+        sys.exit("build/kda-aot is missing: make build/kda-aot")
+    if not cuobjdump:
+        sys.exit("cuobjdump not found: set CUDA_HOME or give --cuobjdump")
+    status = 0
+    for name in a.names:
+        with tempfile.TemporaryDirectory() as tmp:
+            r = subprocess.run([aot, "--arch", a.arch, "--only", name, "--out", tmp], capture_output=True, text=True)
+            cubins = glob.glob(os.path.join(tmp, "*.cubin"))
+            if r.returncode or not cubins:
+                print(f"{name}: kda-aot failed\n{r.stdout}{r.stderr}")
+                status = 1
+                continue
+            data = open(cubins[0], "rb").read()
+            elf = os.path.join(tmp, "k.elf")
+            with open(elf, "wb") as f:
+                f.write(data[data.find(b"\x7fELF"):])  # past kda's verification header
+            sass = subprocess.run([cuobjdump, "-sass", elf], capture_output=True, text=True, check=True).stdout
+            res = subprocess.run([cuobjdump, "-res-usage", elf], capture_output=True, text=True, check=True).stdout
+        usage = " ".join(re.findall(r"(?:REG|STACK|SHARED):\d+", res))
+        print(f"{name} ({a.arch}, {usage})")
+        for region, lines in regions(sass):
+            stl = sum("STL" in x for x in lines)
+            ldl = sum("LDL" in x for x in lines)
+            print(f"  {region:13s} {len(lines):6d} instructions, spill code: {stl} STL, {ldl} LDL")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
