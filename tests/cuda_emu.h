@@ -16,7 +16,6 @@
 #include <atomic>
 #include <barrier>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -33,14 +32,21 @@ struct kda_emu_dim3 { unsigned x = 1, y = 1, z = 1; };
 inline thread_local kda_emu_dim3 threadIdx, blockIdx;
 inline kda_emu_dim3 blockDim, gridDim;
 
+// A named barrier on atomics. Its state exists before the block's threads start and its
+// first use fixes its thread count by a relaxed exchange, so that using it orders only what
+// bar.sync / bar.arrive order on a GPU: the arrivals before a bar.sync's release. (Made on
+// first use under a mutex, it ordered, for ThreadSanitizer, everything any thread did before
+// one barrier before everything another did after the next, and hid a race: 53c4c1e.)
+struct kda_emu_named {
+    std::atomic<int> n{0}, arrived{0};
+    std::atomic<unsigned> phase{0};
+};
 struct kda_emu_block {
     std::unique_ptr<std::barrier<>> block;
     std::vector<std::unique_ptr<std::barrier<>>> warp;
     std::vector<uint64_t> xchg; // one slot per thread
     std::vector<uint32_t> mma;  // 10 words per thread: the fragments of one mma
-    std::unique_ptr<std::barrier<>> named[16]; // bar.sync / bar.arrive, made on first use
-    int named_n[16] = {};
-    std::mutex named_mu;
+    kda_emu_named named[16];                    // bar.sync / bar.arrive
     std::atomic<int> red[16][3] = {};           // bar.red.or: one slot per call, three in turn
 };
 inline kda_emu_block *kda_emu_state;
@@ -52,22 +58,27 @@ inline void __syncwarp(unsigned = 0xffffffffu) {
 // bar.sync (wait) / bar.arrive id, n. A barrier's thread count is fixed by its first
 // use in a launch; a different count later is a kernel bug (undefined on a GPU).
 inline void kda_emu_bar(int id, int n, bool wait) {
-    kda_emu_block *st = kda_emu_state;
-    std::barrier<> *b;
-    {
-        std::lock_guard<std::mutex> lock(st->named_mu);
-        if (id <= 0 || id >= 16 || n <= 0 || n % 32 || (st->named_n[id] && st->named_n[id] != n)) {
-            fprintf(stderr, "cuda_emu: bar %d with %d threads (earlier %d)\n", id, n, st->named_n[id > 0 && id < 16 ? id : 1]);
-            abort();
-        }
-        if (!st->named[id]) {
-            st->named[id] = std::make_unique<std::barrier<>>((std::ptrdiff_t)n);
-            st->named_n[id] = n;
-        }
-        b = st->named[id].get();
+    int earlier = 0;
+    if (id <= 0 || id >= 16 || n <= 0 || n % 32) {
+        fprintf(stderr, "cuda_emu: bar %d with %d threads\n", id, n);
+        abort();
     }
-    if (wait) b->arrive_and_wait();
-    else (void)b->arrive();
+    kda_emu_named &b = kda_emu_state->named[id];
+    if (!b.n.compare_exchange_strong(earlier, n, std::memory_order_relaxed) && earlier != n) {
+        fprintf(stderr, "cuda_emu: bar %d with %d threads (earlier %d)\n", id, n, earlier);
+        abort();
+    }
+    // the last arrival (acquiring every earlier one through the counter) ends the phase; a
+    // waiter acquires that. A thread's next arrival follows the phase it took part in (the
+    // kernels' protocols: a producer arrives again only after its consumers released it)
+    const unsigned ph = b.phase.load(std::memory_order_relaxed);
+    if (b.arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
+        b.arrived.store(0, std::memory_order_relaxed);
+        b.phase.fetch_add(1, std::memory_order_release);
+        b.phase.notify_all();
+    } else if (wait) {
+        while (b.phase.load(std::memory_order_acquire) == ph) b.phase.wait(ph, std::memory_order_acquire);
+    }
 }
 // bar.red.or.pred id, n: bar.sync that returns whether pred held in any thread. Call k
 // of a thread (on this id) ORs into slot k % 3 and clears slot (k + 1) % 3 before it
