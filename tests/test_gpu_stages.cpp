@@ -1163,7 +1163,7 @@ int main(int argc, char **argv) {
         if (!race) run_fused_bounded_split(64, LATE_NONE, false), run_fused_bounded_split(100, LATE_NONE, false);
         run_fused_bounded_split(64, LATE_GATE, false);
         run_fused_bounded_split(64, LATE_GATE, true);
-        if (!race) run_fused_bounded_split(64, LATE_BETA, false);
+        run_fused_bounded_split(64, LATE_BETA, false); // --race too: its b check reads the warm-up length a group's warps share (53c4c1e's race)
 #ifdef KDA_TEST_EMU
         run_fused_replans_for_new_lengths();
         run_fused_exact_plan_times_every_candidate();
