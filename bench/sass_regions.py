@@ -72,6 +72,10 @@ def main():
                 status = 1
                 continue
             data = open(cubins[0], "rb").read()
+            if b"\x7fELF" not in data:
+                print(f"{name}: no ELF image in {os.path.basename(cubins[0])}")
+                status = 1
+                continue
             elf = os.path.join(tmp, "k.elf")
             with open(elf, "wb") as f:
                 f.write(data[data.find(b"\x7fELF"):])  # past kda's verification header
