@@ -552,11 +552,11 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
 // which the bounded pass flags; and the bounded pass leaves a sequence and head that
 // fwd_bound flagged to the exact passes (its o untouched).
 enum { LATE_NONE, LATE_GATE, LATE_BETA };
-static void run_fused_bounded_split(int K, int late, bool varlen) {
+static void run_fused_bounded_split(int K, int late, bool varlen, const char *bv = "64") {
     char name[96];
     const bool growth = late != LATE_NONE;
-    snprintf(name, sizeof name, "fused_bounded_split_K%d%s%s", K, late == LATE_GATE ? "_growth" : late == LATE_BETA ? "_wide_beta" : "",
-             varlen ? "_varlen" : "");
+    snprintf(name, sizeof name, "fused_bounded_split_K%d%s%s_bv%s", K, late == LATE_GATE ? "_growth" : late == LATE_BETA ? "_wide_beta" : "",
+             varlen ? "_varlen" : "", bv);
     kda_context *cpu = t_cpu();
     kda_problem p0 = kda_problem_default(1, varlen ? 335 : 200, 1, K, 32);
     p0.HV = 2; p0.dtype = KDA_BF16; p0.qk_l2norm = 1;
@@ -580,7 +580,7 @@ static void run_fused_bounded_split(int K, int late, bool varlen) {
     o.init(I.nv * es); ht.init(nst * 4); oe.init(I.nv * es); hte.init(nst * 4);
     setenv("KDA_SEGMENTS", "3", 1);
     setenv("KDA_WARMUP", "2", 1);
-    setenv("KDA_FUSED_BV", "64", 1);
+    setenv("KDA_FUSED_BV", bv, 1);
 #ifdef KDA_TEST_EMU
     emu_flags.clear();
     emu_warm_flags.clear();
@@ -1161,6 +1161,9 @@ int main(int argc, char **argv) {
             if (gate != GATE_WIDE) run_fused(cf, "2", gate, "64"), run_fused(cf, "3", gate, "128"); // varlen: sequences of 1, 2 and 3 segments, an empty one
         }
         if (!race) run_fused_bounded_split(64, LATE_NONE, false), run_fused_bounded_split(100, LATE_NONE, false);
+        // 128 columns, the bounded kernels the benchmark's split shapes run (the others take 64)
+        run_fused_bounded_split(100, LATE_NONE, false, "128");
+        if (!race) run_fused_bounded_split(64, LATE_GATE, true, "128");
         run_fused_bounded_split(64, LATE_GATE, false);
         run_fused_bounded_split(64, LATE_GATE, true);
         run_fused_bounded_split(64, LATE_BETA, false); // --race too: its b check reads the warm-up length a group's warps share (53c4c1e's race)
