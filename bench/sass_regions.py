@@ -11,7 +11,11 @@ cuobjdump and splits it at its setmaxnreg instructions: the prologue, the factor
 region it prints the instruction count and the local-memory stores and loads (STL, LDL:
 spill code). Reloads inside the factor warps' region cost the fused forward time: one
 variant went from 5 to 17 of them and ran B8 10% slower (bench/RESULTS.md, 2026-11-26),
-while code size alone moved little. Check here before timing a kernel change on a GPU.
+while code size alone moved little. It also counts the wgmma instructions (HGMMA) and how many
+of them are waited on alone (`gsb0` and a `WARPGROUP.DEPBAR` next): where ptxas serialises
+the pipeline (a wgmma inside a branch, or too many registers held by matmuls in flight) every
+one is, and the kernel ran 17% slower (2026-11-26). Check here before timing a kernel change
+on a GPU.
 
 cuobjdump comes from $CUDA_HOME/bin, /usr/local/cuda/bin or PATH (the nvidia-cuda-cuobjdump
 wheel puts one in site-packages/nvidia/cu13/bin: give it with --cuobjdump).
@@ -51,6 +55,19 @@ def regions(sass):
     return out
 
 
+def wgmma_waits(lines):
+    """(HGMMA count, how many carry gsb0 with a WARPGROUP.DEPBAR the next HGMMA or wait instruction)"""
+    n = alone = 0
+    for i, line in enumerate(lines):
+        if "HGMMA" not in line:
+            continue
+        n += 1
+        if "gsb0" in line:
+            nxt = next((x for x in lines[i + 1:] if "HGMMA" in x or "WARPGROUP.DEPBAR" in x), "")
+            alone += "WARPGROUP.DEPBAR" in nxt
+    return n, alone
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("names", nargs="+", help="kernel names (kernels_generated/kda_kernels.h)")
@@ -86,7 +103,9 @@ def main():
         for region, lines in regions(sass):
             stl = sum("STL" in x for x in lines)
             ldl = sum("LDL" in x for x in lines)
-            print(f"  {region:13s} {len(lines):6d} instructions, spill code: {stl} STL, {ldl} LDL")
+            gmma, alone = wgmma_waits(lines)
+            wg = f", {gmma} HGMMA ({alone} waited on alone{': SERIALISED' if gmma > 4 and alone == gmma else ''})" if gmma else ""
+            print(f"  {region:13s} {len(lines):6d} instructions, spill code: {stl} STL, {ldl} LDL{wg}")
     return status
 
 
