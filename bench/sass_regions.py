@@ -9,9 +9,11 @@ Compiles each kernel with build/kda-aot (kda.h's own NVRTC path), disassembles i
 cuobjdump and splits it at its setmaxnreg instructions: the prologue, the factor warps
 (after USETMAXREG.DEALLOC) and the state warps (after USETMAXREG.TRY_ALLOC). For each
 region it prints the instruction count and the local-memory stores and loads (STL, LDL:
-spill code). Reloads inside the factor warps' region cost the fused forward time: one
+spill code), in all and inside its longest loop (each kind of warp's chunk loop, which is
+where they cost). Reloads inside the factor warps' loop cost the fused forward time: one
 variant went from 5 to 17 of them and ran B8 10% slower (bench/RESULTS.md, 2026-11-26),
-while code size alone moved little. It also counts the wgmma instructions (HGMMA) and how many
+while code size alone moved little; where the state warps decayed S^T decided between 0 and
+147 of them (2026-11-26). It also counts the wgmma instructions (HGMMA) and how many
 of them are waited on alone (`gsb0` and a `WARPGROUP.DEPBAR` next): where ptxas serialises
 the pipeline (a wgmma inside a branch, or too many registers held by matmuls in flight) every
 one is, and the kernel ran 17% slower (2026-11-26). Check here before timing a kernel change
@@ -68,6 +70,20 @@ def wgmma_waits(lines):
     return n, alone
 
 
+def chunk_loop(lines):
+    """(instructions, STL, LDL) of the region's longest loop: the widest span from a backward
+    branch's target to the branch (in the fused kernel, each kind of warp's chunk loop)"""
+    at = {int(m.group(1), 16): i for i, m in enumerate(re.match(r"\s+/\*([0-9a-f]+)\*/", x) for x in lines) if m}
+    lo = hi = 0
+    for i, line in enumerate(lines):
+        m = re.search(r"\bBRA\s+0x([0-9a-f]+)", line)
+        j = at.get(int(m.group(1), 16)) if m else None
+        if j is not None and j < i and i - j > hi - lo:
+            lo, hi = j, i
+    body = lines[lo:hi + 1] if hi > lo else []
+    return len(body), sum("STL" in x for x in body), sum("LDL" in x for x in body)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("names", nargs="+", help="kernel names (kernels_generated/kda_kernels.h)")
@@ -105,7 +121,9 @@ def main():
             ldl = sum("LDL" in x for x in lines)
             gmma, alone = wgmma_waits(lines)
             wg = f", {gmma} HGMMA ({alone} waited on alone{': SERIALISED' if gmma > 4 and alone == gmma else ''})" if gmma else ""
-            print(f"  {region:13s} {len(lines):6d} instructions, spill code: {stl} STL, {ldl} LDL{wg}")
+            n, lstl, lldl = chunk_loop(lines)
+            loop = f"; chunk loop {n}, spill code {lstl} STL, {lldl} LDL" if n and region != "prologue" else ""
+            print(f"  {region:13s} {len(lines):6d} instructions, spill code: {stl} STL, {ldl} LDL{wg}{loop}")
     return status
 
 
