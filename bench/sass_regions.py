@@ -57,6 +57,11 @@ def regions(sass):
     return out
 
 
+def spill_code(lines):
+    """(STL, LDL): local-memory stores and loads"""
+    return sum("STL" in x for x in lines), sum("LDL" in x for x in lines)
+
+
 def wgmma_waits(lines):
     """(HGMMA count, how many carry gsb0 with a WARPGROUP.DEPBAR the next HGMMA or wait instruction)"""
     n = alone = 0
@@ -81,7 +86,7 @@ def chunk_loop(lines):
         if j is not None and j < i and i - j > hi - lo:
             lo, hi = j, i
     body = lines[lo:hi + 1] if hi > lo else []
-    return len(body), sum("STL" in x for x in body), sum("LDL" in x for x in body)
+    return (len(body),) + spill_code(body)
 
 
 def main():
@@ -117,8 +122,7 @@ def main():
         usage = " ".join(re.findall(r"(?:REG|STACK|SHARED):\d+", res))
         print(f"{name} ({a.arch}, {usage})")
         for region, lines in regions(sass):
-            stl = sum("STL" in x for x in lines)
-            ldl = sum("LDL" in x for x in lines)
+            stl, ldl = spill_code(lines)
             gmma, alone = wgmma_waits(lines)
             wg = f", {gmma} HGMMA ({alone} waited on alone{': SERIALISED' if gmma > 4 and alone == gmma else ''})" if gmma else ""
             n, lstl, lldl = chunk_loop(lines)
