@@ -471,6 +471,12 @@ static std::vector<Cfg> fused_configs() {
     p = kda_problem_default(2, 63, 2, 60, 36); p.dtype = KDA_BF16; p.g_dtype = KDA_BF16; p.gate = KDA_GATE_SOFTPLUS;
     p.qk_l2norm = 1;
     v.push_back({"fused_B2_T63_K60_V36_bf16g_unaligned_rows", p, {}, 1, 0});
+    // several column blocks (V = 200: the last block's columns past V masked; bv 64: 4 blocks),
+    // fixed lengths and varlen, K 128 and 64
+    p = kda_problem_default(2, 150, 1, 128, 200); p.dtype = KDA_BF16; p.gate = KDA_GATE_SOFTPLUS; p.qk_l2norm = 1;
+    v.push_back({"fused_B2_T150_K128_V200_two_column_blocks_bf16", p, {}, 1, 0});
+    p = kda_problem_default(1, 90, 1, 64, 256); p.dtype = KDA_F16; p.qk_l2norm = 1; p.num_seqs = 3; p.seqlens_type = KDA_INDEX_I32;
+    v.push_back({"fused_varlen_K64_V256_two_column_blocks_f16", p, {0, 7, 40, 90}, 1, 0});
     return v;
 }
 // Gates at the edge of the fused kernel's factored products: every 7th token forgets
@@ -552,13 +558,13 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
 // which the bounded pass flags; and the bounded pass leaves a sequence and head that
 // fwd_bound flagged to the exact passes (its o untouched).
 enum { LATE_NONE, LATE_GATE, LATE_BETA };
-static void run_fused_bounded_split(int K, int late, bool varlen, const char *bv = "64") {
+static void run_fused_bounded_split(int K, int late, bool varlen, const char *bv = "64", int V = 32) {
     char name[96];
     const bool growth = late != LATE_NONE;
-    snprintf(name, sizeof name, "fused_bounded_split_K%d%s%s_bv%s", K, late == LATE_GATE ? "_growth" : late == LATE_BETA ? "_wide_beta" : "",
+    snprintf(name, sizeof name, "fused_bounded_split_K%d_V%d%s%s_bv%s", K, V, late == LATE_GATE ? "_growth" : late == LATE_BETA ? "_wide_beta" : "",
              varlen ? "_varlen" : "", bv);
     kda_context *cpu = t_cpu();
-    kda_problem p0 = kda_problem_default(1, varlen ? 335 : 200, 1, K, 32);
+    kda_problem p0 = kda_problem_default(1, varlen ? 335 : 200, 1, K, V);
     p0.HV = 2; p0.dtype = KDA_BF16; p0.qk_l2norm = 1;
     const std::vector<long long> cu = {0, 200, 235, 335};
     if (varlen) p0.num_seqs = 3, p0.seqlens_type = KDA_INDEX_I64;
@@ -1167,6 +1173,8 @@ int main(int argc, char **argv) {
         run_fused_bounded_split(64, LATE_GATE, false);
         run_fused_bounded_split(64, LATE_GATE, true);
         run_fused_bounded_split(64, LATE_BETA, false); // --race too: its b check reads the warm-up length a group's warps share (53c4c1e's race)
+        // two 128-column blocks, of which block 0 sets a piece's flag
+        if (!race) run_fused_bounded_split(64, LATE_GATE, true, "128", 256), run_fused_bounded_split(100, LATE_NONE, false, "128", 200);
 #ifdef KDA_TEST_EMU
         run_fused_replans_for_new_lengths();
         run_fused_exact_plan_times_every_candidate();
