@@ -2071,6 +2071,11 @@ typedef struct kda__kdesc {
     int smem; /* bytes of dynamic shared memory (0: static only) */
     const char *src;
 } kda__kdesc;
+/* The fused forward's kernels with the column blocks in pairs: launched in clusters of two */
+static int kda__fused_is_pairs(const kda__kdesc *k) {
+    const size_t n = strlen(k->stage);
+    return n > 6 && !strcmp(k->stage + n - 6, "_pairs");
+}
 #define KDA__GRID_ROWS 0
 #define KDA__GRID_CHUNK_HEAD 1
 #define KDA__GRID_CHUNK_HEAD_V 2
@@ -2145,6 +2150,8 @@ typedef struct kda__devops {
     int (*smem_optin)(kda_context *ctx); /* most dynamic shared memory a block may have; NULL: unknown */
     /* launch, right after another kernel of the same call that it depends on; NULL: launch */
     kda_status (*launch_after)(kda_context *ctx, const kda__kdesc *k, const unsigned grid[3], const kda__kparams *a);
+    /* whether the fused forward's _pairs kernels can launch (clusters, sm_90a); NULL: no */
+    int (*pairs)(kda_context *ctx);
 } kda__devops;
 
 static int kda__on_device(const kda_context *ctx) { return ctx->dev != NULL; }
@@ -2794,6 +2801,8 @@ static kda_status kda__cu_function(kda_context *ctx, kda__cuda *c, const kda__kd
  * otherwise wait a launch each. */
 static kda_status kda__cu_launch_pdl(kda_context *ctx, const kda__kdesc *k, const unsigned grid[3], const kda__kparams *a,
                                      int pdl) {
+    /* (a _pairs kernel: clusters of two along the column blocks, z, or x where the grid is
+     * one-dimensional: varlen, column blocks innermost) */
     typedef struct { int id; char pad[4]; union { char raw[64]; long long align; int allowed; } v; } attr_t;
     typedef struct {
         unsigned grid[3], block[3], smem;
@@ -2805,27 +2814,33 @@ static kda_status kda__cu_launch_pdl(kda_context *ctx, const kda__kdesc *k, cons
     kda__CUfunction fn = NULL;
     void *args[1];
     kda__kparams copy = *a;
-    attr_t at;
+    attr_t at[2];
     config_t cf;
+    const int pair = kda__fused_is_pairs(k);
     kda__CUresult r;
     kda_status s;
     if ((s = kda__cu_enter(ctx, c))) return s;
     if ((s = kda__cu_function(ctx, c, k, &fn))) { kda__cu_leave(c); return s; }
     args[0] = &copy;
-    if (pdl) {
-        memset(&at, 0, sizeof at);
-        at.id = 6, at.v.allowed = 1; /* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION */
+    if (pdl || pair) {
+        memset(at, 0, sizeof at);
         memset(&cf, 0, sizeof cf);
+        if (pdl) at[cf.nattrs].id = 6, at[cf.nattrs++].v.allowed = 1; /* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION */
+        if (pair) {
+            unsigned *d = (unsigned *)at[cf.nattrs].v.raw; /* CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: x, y, z */
+            at[cf.nattrs++].id = 4;
+            d[0] = grid[2] > 1 ? 1u : 2u, d[1] = 1u, d[2] = grid[2] > 1 ? 2u : 1u;
+        }
         cf.grid[0] = grid[0], cf.grid[1] = grid[1], cf.grid[2] = grid[2];
         cf.block[0] = (unsigned)k->threads, cf.block[1] = cf.block[2] = 1;
-        cf.smem = (unsigned)k->smem, cf.stream = (kda__CUstream)ctx->stream, cf.attrs = &at, cf.nattrs = 1;
+        cf.smem = (unsigned)k->smem, cf.stream = (kda__CUstream)ctx->stream, cf.attrs = at;
         r = c->cu.launch_ex(&cf, fn, args, NULL);
     } else {
         r = c->cu.launch(fn, grid[0], grid[1], grid[2], (unsigned)k->threads, 1, 1, (unsigned)k->smem, (kda__CUstream)ctx->stream,
                          args, NULL);
     }
     kda__cu_leave(c);
-    return r ? kda__cu_fail(ctx, c, r, pdl ? "cuLaunchKernelEx" : "cuLaunchKernel", k->name) : KDA_OK;
+    return r ? kda__cu_fail(ctx, c, r, pdl || pair ? "cuLaunchKernelEx" : "cuLaunchKernel", k->name) : KDA_OK;
 }
 static kda_status kda__cu_launch(kda_context *ctx, const kda__kdesc *k, const unsigned grid[3], const kda__kparams *a) {
     return kda__cu_launch_pdl(ctx, k, grid, a, 0);
@@ -2854,9 +2869,14 @@ static void kda__cu_destroy(kda_context *ctx) {
 
 static int kda__cu_sms(kda_context *ctx) { return kda__cu_state(ctx)->sms; }
 static int kda__cu_smem_optin(kda_context *ctx) { return kda__cu_state(ctx)->smem_optin; }
+/* devops pairs: Hopper (sm_90a: the pairs kernels' clusters and wgmma), by cuLaunchKernelEx */
+static int kda__cu_pairs(kda_context *ctx) {
+    const kda__cuda *c = kda__cu_state(ctx);
+    return c->cc_major == 9 && c->cu.launch_ex != NULL;
+}
 static const kda__devops kda__cuda_ops = {"cuda", kda__cu_alloc, kda__cu_release, kda__cu_copy, kda__cu_fill,
                                           kda__cu_launch, kda__cu_sync, kda__cu_destroy, kda__cu_sms, kda__cu_smem_optin,
-                                          kda__cu_launch_after};
+                                          kda__cu_launch_after, kda__cu_pairs};
 typedef kda_status (*kda__launch_fn)(kda_context *, const kda__kdesc *, const unsigned[3], const kda__kparams *);
 static kda__launch_fn kda__cu_launch_ptr(void) { return kda__cu_launch; }
 
@@ -3064,7 +3084,7 @@ static void kda__ws_release(kda_context *ctx, void *ptr, int owned) {
 static const char *const kda__stage_names[] = {
     "prepare", "gate_cumsum", "intra", "solve", "wu", "state", "output", "fwd_fused", "fwd_combine", "fwd_fused_bounded", "fwd_bound",
     "bwd_dav", "bwd_dhu", "bwd_wy", "bwd_intra", "bwd_cumsum", "bwd_gate", "bwd_qkb", 0, 0,
-    "recurrent", "states_out", "selftest_mma"};
+    "recurrent", "states_out", "selftest_mma", "fwd_fused_pairs", "fwd_fused_bounded_pairs"};
 #define KDA__STAGE_RECURRENT 20
 #define KDA__STAGE_STATES_OUT 21
 #define KDA__STAGE_SELFTEST_MMA 22 /* tests only: the tensor-core fragment layout */
@@ -3176,8 +3196,20 @@ static int kda__fused_sibling(const kda__kdesc *a, const kda__kdesc *b) {
     return !strcmp(a->stage, b->stage) && a->dtype == b->dtype && a->bk == b->bk && a->varlen == b->varlen;
 }
 
+/* The kernel of stage `stage` with fused kernel k's dtype, tiles and varlen mode, or NULL */
+static const kda__kdesc *kda__fused_like(const char *stage, const kda__kdesc *k) {
+    int i;
+    for (i = 0; i < KDA__NUM_KERNELS; i++) {
+        const kda__kdesc *o = &kda__kernels[i];
+        if (!strcmp(o->stage, stage) && o->dtype == k->dtype && o->bk == k->bk && o->bv == k->bv && o->varlen == k->varlen)
+            return o;
+    }
+    return NULL;
+}
+
 /* Indices of the kernels a forward, backward and decode of p use (the fused forward's
- * with each value tile: kda__fused_variant picks one by the sequence lengths). */
+ * with each value tile: kda__fused_variant picks one by the sequence lengths; and their pairs
+ * kernels where V takes an even number of 128-column blocks, which Hopper runs). */
 int kda_kernels_needed(kda_context *ctx, const kda_problem *p, int *idx, int max) {
     /* the fused forward's stages last: problems it does not cover leave them out (and the
      * bounded split, problems without the in-kernel l2norm) */
@@ -3196,11 +3228,15 @@ int kda_kernels_needed(kda_context *ctx, const kda_problem *p, int *idx, int max
         if (n < max && idx) idx[n] = (int)(k - kda__kernels);
         n++;
         for (j = 0; (stages[i] == KDA__STAGE_FWD_FUSED || stages[i] == KDA__STAGE_FWD_FUSED_BOUNDED) && j < KDA__NUM_KERNELS;
-             j++) { /* its other value tiles */
-            const kda__kdesc *o = &kda__kernels[j];
-            if (o == k || !kda__fused_sibling(o, k)) continue;
-            if (n < max && idx) idx[n] = j;
-            n++;
+             j++) { /* its other value tiles, and the pairs kernels */
+            const kda__kdesc *o = &kda__kernels[j], *tw;
+            if (!kda__fused_sibling(o, k)) continue;
+            const char *twin = stages[i] == KDA__STAGE_FWD_FUSED ? "fwd_fused_pairs" : "fwd_fused_bounded_pairs";
+            tw = (p->V + 127) / 128 % 2 == 0 ? kda__fused_like(twin, o) : NULL;
+            if (o != k && n < max && idx) idx[n] = j;
+            n += o != k;
+            if (tw && n < max && idx) idx[n] = (int)(tw - kda__kernels);
+            n += tw != NULL;
         }
     }
     return n;
@@ -3717,12 +3753,28 @@ static kda_status kda__fused_table(kda_context *ctx, const kda_problem *p, const
     return KDA_OK;
 }
 
+/* The pairs kernel (fwd_fused.cu.j2's PAIRS: the two column blocks of a piece and value head
+ * each build half the chunks' factors and copy them to the other) of fwd_fused or
+ * fwd_fused_bounded kernel k, where p and the device take it: on Hopper, 128 columns, an even
+ * number of column blocks (V = 256). Else NULL. KDA_FUSED_PAIRS=0 turns pairs off.
+ * KDA__PAIR_COST: a chunk's time in pairs against 128 columns unpaired, 0.84-0.89 on an H100
+ * (B8 T4096 H16 V256 0.680 ms against 0.809, B2 T8192 H16 V256 0.368 against 0.416; 2026-11-26). */
+#define KDA__PAIR_COST 0.87
+static const kda__kdesc *kda__fused_pairs(kda_context *ctx, const kda__kdesc *k, const kda_problem *p) {
+    const kda__kdesc *kp = kda__fused_like(strcmp(k->stage, "fwd_fused") ? "fwd_fused_bounded_pairs" : "fwd_fused_pairs", k);
+    const int optin = ctx->dev && ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
+    if (!kp || !ctx->dev || !ctx->dev->pairs || !ctx->dev->pairs(ctx) || kda__fused_vblocks(k, p) % 2 != 0) return NULL;
+    return (optin <= 0 || kp->smem <= optin) && kda__env_int("KDA_FUSED_PAIRS", 1) > 0 ? kp : NULL;
+}
+
 /* A chunk's time in fwd_fused kernel k relative to the 128-column kernel: the 64-column
  * one took 1.56 us a chunk on an H100 where the 128-column one takes 1.94 (B1 T8192 H32,
  * unsplit, 2026-11-22, with two factor groups). Not refitted for its three groups: a sweep
  * of tiles x 1..16 segments after them (H100, bench/RESULTS.md) found the model's picks
  * the fastest on B1 T8192 H32, B1 T65536 H16, V=256 and the varlen batch. */
-static double kda__fused_chunk_cost(const kda__kdesc *k) { return k->bv <= 64 ? 0.8 : 1.0; }
+static double kda__fused_chunk_cost(kda_context *ctx, const kda__kdesc *k, const kda_problem *p) {
+    return k->bv <= 64 ? 0.8 : kda__fused_pairs(ctx, k, p) ? KDA__PAIR_COST : 1.0; /* (only 128 columns pair) */
+}
 
 /* The value tile: kf (kda__fused_wanted's pick) or a sibling with another, where the model
  * says it is faster (B2 T8192 H16 V256: 64 columns fill the GPU with 128 blocks where 128
@@ -3738,12 +3790,12 @@ static const kda__kdesc *kda__fused_variant(kda_context *ctx, const kda_problem 
     kda__fz_plan o_pl;
     int i, optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
     if ((*st = kda__fused_plan(ctx, p, kf, len, nseq, cap, warm, pl))) return NULL;
-    pl->time *= kda__fused_chunk_cost(kf);
+    pl->time *= kda__fused_chunk_cost(ctx, kf, p);
     for (i = getenv("KDA_FUSED_BV") ? KDA__NUM_KERNELS : 0; i < KDA__NUM_KERNELS; i++) {
         const kda__kdesc *o = &kda__kernels[i];
         if (o == kf || !kda__fused_sibling(o, kf) || (optin > 0 && o->smem > optin)) continue;
         if ((*st = kda__fused_plan(ctx, p, o, len, nseq, cap, warm, &o_pl))) return NULL;
-        o_pl.time *= kda__fused_chunk_cost(o);
+        o_pl.time *= kda__fused_chunk_cost(ctx, o, p);
         if (o_pl.time < pl->time) best = o, *pl = o_pl;
     }
     if ((*st = kda__fused_table(ctx, p, len, nseq, warm, pl))) return NULL;
@@ -3777,7 +3829,7 @@ static const kda__kdesc *kda__fused_variant(kda_context *ctx, const kda_problem 
  * variables KDA_SEGMENTS and KDA_FUSED_BV. */
 typedef struct {
     const kda__kdesc *asked;
-    long long N, HV, K, V, varlen, warm, cap, optin, segments, bv;
+    long long N, HV, K, V, varlen, warm, cap, optin, segments, bv, pairs;
 } kda__fz_key;
 typedef struct {
     kda__fz_key key;
@@ -3810,7 +3862,7 @@ static const kda__kdesc *kda__fused_memo(kda_context *ctx, const kda_problem *p,
     memset(&key, 0, sizeof key); /* (no padding: compared whole) */
     key.asked = kf, key.N = nseq, key.HV = p->HV, key.K = p->K, key.V = p->V, key.varlen = p->num_seqs > 0;
     key.warm = warm, key.cap = cap, key.optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
-    key.segments = es ? atoll(es) : -1, key.bv = eb ? atoll(eb) : -1;
+    key.segments = es ? atoll(es) : -1, key.bv = eb ? atoll(eb) : -1, key.pairs = kda__env_int("KDA_FUSED_PAIRS", 1);
     if (m && !memcmp(&m->key, &key, sizeof key) && !memcmp(m->len, len, sizeof(long long) * (size_t)nseq)) {
         *pl = m->pl;
         *pe = m->pe;
@@ -3847,16 +3899,7 @@ static long long kda__fused_warmup(const kda_problem *p) {
     return w ? (atoll(w) > 0 ? atoll(w) : 0) : 16;
 }
 /* The bounded split's kernel for fwd_fused kernel k (same dtype and tiles), or NULL */
-static const kda__kdesc *kda__fused_bounded(const kda__kdesc *k) {
-    int i;
-    for (i = 0; i < KDA__NUM_KERNELS; i++) {
-        const kda__kdesc *o = &kda__kernels[i];
-        if (!strcmp(o->stage, "fwd_fused_bounded") && o->dtype == k->dtype && o->bk == k->bk && o->bv == k->bv &&
-            o->varlen == k->varlen)
-            return o;
-    }
-    return NULL;
-}
+static const kda__kdesc *kda__fused_bounded(const kda__kdesc *k) { return kda__fused_like("fwd_fused_bounded", k); }
 
 /* Launches kernel k of a chain: after the chain's first, with programmatic stream
  * serialization where the device has it (devops launch_after) */
@@ -3888,6 +3931,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     kda__fz_plan pl, pe;
     kda__kparams a;
     kda_status s;
+    const kda__kdesc *pairs; /* kf's pairs kernel, where the column blocks go in pairs */
     if (!kc || !kb) return KDA_ERROR_UNSUPPORTED;
     if (kda__fz_maxnch(c->s.len, N) == 0) return KDA_OK;
     /* a caller's workspace bounds the pieces */
@@ -3896,14 +3940,16 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     kf = kda__fused_memo(ctx, p, kf, c->s.len, N, cap, warm, &pl, &pe, &s);
     if (s) return s;
     nvb = kda__fused_vblocks(kf, p);
+    pairs = kda__fused_pairs(ctx, kf, p);
+    if (pairs && warm >= 0 && !kda__fused_pairs(ctx, kda__fused_bounded(kf), p)) pairs = NULL; /* (both or neither) */
     if (pl.np <= N) pe = pl; /* no split: whole sequences in the output pass */
     if (pl.np > N) bf = (size_t)pl.np * flags;
     if (pe.np > N) bt = (size_t)pe.np * trans, bs = (size_t)pe.np * start;
     if (pl.tab) tp = sizeof(int) * (size_t)(3 * pl.np + N + 1);
     if (pe.tab && pe.tab != pl.tab) te = sizeof(int) * (size_t)(3 * pe.np + N + 1); /* (right after pl.tab) */
     if (cap < LLONG_MAX) kda__log(ctx, "%s: the caller's workspace holds %lld piece(s)", kf->name, cap);
-    kda__log(ctx, "%s: %lld piece(s) for %lld sequence(s), at most %lld a sequence%s", kf->name, pl.np, N, pl.nseg,
-             pl.np > N && warm >= 0 ? ", bounded split" : "");
+    kda__log(ctx, "%s: %lld piece(s) for %lld sequence(s), at most %lld a sequence%s%s", kf->name, pl.np, N, pl.nseg,
+             pl.np > N && warm >= 0 ? ", bounded split" : "", pairs ? ", column blocks in pairs" : "");
     if (pl.np > N && warm >= 0)
         kda__log(ctx, "%s: where a bound fails, the exact split in %lld piece(s), at most %lld a sequence", kf->name, pe.np, pe.nseg);
     if ((s = kda__ws_acquire(ctx, tb + slack + bt + bs + bf + tp + te, &ws, &owned))) goto done;
@@ -3920,7 +3966,8 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     a.fz_nseg = pl.nseg; /* fixed lengths: every sequence's pieces (kda_fz_span) */
     a.fz_each = pl.each;
     a.fz_warm = warm > 0 ? warm : 0; /* (the cut's too) */
-    /* grid of plan pp: (launch rank, column block, value head) in x with a table, else (sequence and piece, value head, column block) */
+    /* grid of plan pp: (launch rank, column block, value head) in x with a table (pairs: (launch rank, value head, column block)),
+     * else (sequence and piece, value head, column block) */
 #define KDA__FZ_GRID(pp, ncols) (grid[0] = (unsigned)((pp).tab ? (pp).np * p->HV * (ncols) : (pp).np), \
                                  grid[1] = (pp).tab ? 1u : (unsigned)p->HV, grid[2] = (pp).tab ? 1u : (unsigned)(ncols))
     if (pl.np > N && warm >= 0) { /* every piece at once; the exact passes below only where a bound failed */
@@ -3930,14 +3977,16 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
         if ((s = kda__chain_launch(ctx, &chained, kb, grid, &a))) goto done;
         a.fz_mode = 2;
         KDA__FZ_GRID(pl, nvb);
-        if ((s = kda__chain_launch(ctx, &chained, kda__fused_bounded(kf), grid, &a))) goto done;
+        if ((s = kda__chain_launch(ctx, &chained, pairs ? kda__fused_pairs(ctx, kda__fused_bounded(kf), p) : kda__fused_bounded(kf), grid,
+                                   &a)))
+            goto done;
         a.fz_piece = pe.tab ? etab : NULL; /* the exact passes' own cut */
         a.fz_npieces = pe.np, a.fz_nseg = pe.nseg, a.fz_each = pe.each, a.fz_warm = 0;
     }
     if (pe.np > N) {
         a.fz_trans = (float *)KDA__FZ_BUF(bt);
         a.fz_start = (float *)KDA__FZ_BUF(bs);
-        a.fz_mode = 1; /* segment transitions */
+        a.fz_mode = 1; /* segment transitions (not in pairs: nvb + nkb column blocks) */
         ncb = nvb + kda__fused_kblocks(kf, p);
         KDA__FZ_GRID(pe, ncb);
         if ((s = kda__chain_launch(ctx, &chained, kf, grid, &a))) goto done;
@@ -3946,7 +3995,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     }
     a.fz_mode = 0; /* the output pass */
     KDA__FZ_GRID(pe, nvb);
-    s = kda__chain_launch(ctx, &chained, kf, grid, &a);
+    s = kda__chain_launch(ctx, &chained, pairs ? pairs : kf, grid, &a);
 #undef KDA__FZ_GRID
 #undef KDA__FZ_BUF
 done:

@@ -21,7 +21,9 @@ Launch geometry (`grid`) is named, and kda.h computes it from the problem:
   seq_head_v   (N, HV, ceil(V / bv))         one block per sequence, value head, value tile
   head         (HV, 1, 1)                    one block per value head
   fused        set by kda.h's fused forward: fwd_fused and fwd_fused_bounded take
-               (N * pieces, HV, column blocks), varlen (pieces * column blocks * HV, 1, 1);
+               (N * pieces, HV, column blocks), varlen (pieces * column blocks * HV, 1, 1),
+               and their _pairs kernels the same in clusters of 2 along the column blocks
+               (z; varlen: x, as pieces * HV * column blocks);
                fwd_combine (N, HV, ceil(V / 32)); fwd_bound (pieces, HV, 1)
 
 `threads` and `smem` (bytes of dynamic shared memory, default 0) are numbers or
@@ -72,6 +74,13 @@ STAGES = {
     # decode: token-by-token recurrence with the state in shared memory
     "recurrent":   dict(axes={"dtype": DTYPES, "bk": TILES, "bv": [32], "varlen": [0, 1]},
                         grid="seq_head_v", threads=256),
+    # the fused forward's exact passes and bounded split with the column blocks in pairs (sm_90a,
+    # clusters of 2 sharing the factor work: V = 256); the shared memory of fwd_fused's 128
+    # columns and the other block's buffers
+    "fwd_fused_pairs": dict(axes={"dtype": ["f16", "bf16"], "bk": [64, 128], "bv": [128], "varlen": [0, 1]}, grid="fused",
+                        threads="2*bv+256", smem="1024*(36+bk+bk//4)"),
+    "fwd_fused_bounded_pairs": dict(axes={"dtype": ["f16", "bf16"], "bk": [64, 128], "bv": [128], "varlen": [0, 1]}, grid="fused",
+                        threads="2*bv+256", smem="1024*(36+bk+bk//4)"),
 }
 
 

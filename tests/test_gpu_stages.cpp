@@ -471,8 +471,8 @@ static std::vector<Cfg> fused_configs() {
     p = kda_problem_default(2, 63, 2, 60, 36); p.dtype = KDA_BF16; p.g_dtype = KDA_BF16; p.gate = KDA_GATE_SOFTPLUS;
     p.qk_l2norm = 1;
     v.push_back({"fused_B2_T63_K60_V36_bf16g_unaligned_rows", p, {}, 1, 0});
-    // several column blocks (V = 200: the last block's columns past V masked; bv 64: 4 blocks),
-    // fixed lengths and varlen, K 128 and 64
+    // several column blocks (V = 200: the last block's columns past V masked; bv 64: 4 blocks;
+    // bv 128 on Hopper: a pair sharing its factors), fixed lengths and varlen, K 128 and 64
     p = kda_problem_default(2, 150, 1, 128, 200); p.dtype = KDA_BF16; p.gate = KDA_GATE_SOFTPLUS; p.qk_l2norm = 1;
     v.push_back({"fused_B2_T150_K128_V200_two_column_blocks_bf16", p, {}, 1, 0});
     p = kda_problem_default(1, 90, 1, 64, 256); p.dtype = KDA_F16; p.qk_l2norm = 1; p.num_seqs = 3; p.seqlens_type = KDA_INDEX_I32;
@@ -509,33 +509,48 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
     DevIn X;
     dev_inputs(X, I);
     const size_t es = kda_dtype_size(p.dtype), nst = I.ns;
-    Out o, ht, os;
-    o.init(I.nv * es); ht.init(nst * 4); os.init(I.nv * es);
+    Out o, ht, os, op, htp; // CPU (o.c, ht.c) and device fused (o.h, ht.h); device staged; device fused without pairs
+    o.init(I.nv * es); ht.init(nst * 4); os.init(I.nv * es); op.init(I.nv * es); htp.init(nst * 4);
     setenv("KDA_SEGMENTS", segments, 1);
     setenv("KDA_FUSED_BV", bv, 1);
 #ifdef KDA_TEST_EMU
     const int before = emu_fused;
 #endif
-    for (int side = 0; side < 3; side++) { /* CPU, device fused, device staged */
+    // (on a GPU, a fourth side: the fused forward with KDA_FUSED_PAIRS=0, which must give the
+    // bits of the first where Hopper pairs the column blocks; the emulator never pairs them)
+#ifdef KDA_TEST_EMU
+    const int sides = 3;
+#else
+    const int sides = 4;
+#endif
+    for (int side = 0; side < sides; side++) { /* CPU, device fused, device staged, device fused unpaired */
         kda_context *ctx = side ? g_dev : cpu;
-        Out &oo = side == 2 ? os : o;
+        Out &oo = side == 2 ? os : side == 3 ? op : o;
         if (side) oo.poison();
         if (side == 1) ht.poison();
+        if (side == 3) htp.poison();
         kda_fwd_outputs out;
         memset(&out, 0, sizeof out);
         out.o = side ? oo.d : (void *)o.c.data();
-        out.ht = side == 1 ? (float *)ht.d : side == 0 ? (float *)ht.c.data() : NULL;
+        out.ht = side == 1 ? (float *)ht.d : side == 3 ? (float *)htp.d : side == 0 ? (float *)ht.c.data() : NULL;
         setenv("KDA_FUSED", side == 2 ? "0" : "1", 1);
+        setenv("KDA_FUSED_PAIRS", side == 3 ? "0" : "1", 1);
         CHECK(kda_chunk_fwd(ctx, &p, side ? &X.dev : &X.host, &out) == KDA_OK, "%s: fwd (%d): %s", cf.name, side,
               kda_last_error(ctx));
     }
     unsetenv("KDA_FUSED");
+    unsetenv("KDA_FUSED_PAIRS");
     unsetenv("KDA_SEGMENTS");
     unsetenv("KDA_FUSED_BV");
 #ifdef KDA_TEST_EMU
     CHECK(emu_fused > before, "%s: the fused kernel did not run", cf.name);
 #endif
     o.fetch(); ht.fetch(); os.fetch();
+    if (sides == 4) {
+        op.fetch(); htp.fetch();
+        CHECK(!memcmp(o.h.data(), op.h.data(), I.nv * es) && !memcmp(ht.h.data(), htp.h.data(), nst * 4),
+              "%s (segments %s, bv %s): o or ht differ without pairs", cf.name, segments, bv);
+    }
     const double eo = err_t(o.c.data(), o.h.data(), I.nv, p.dtype), eh = err_f((float *)ht.c.data(), (float *)ht.h.data(), nst);
     CHECK(eo <= 1e-2, "%s (segments %s, bv %s): o error %.3g", cf.name, segments, bv, eo);
     CHECK(eh <= 1e-2, "%s (segments %s, bv %s): ht error %.3g", cf.name, segments, bv, eh);
@@ -1173,7 +1188,7 @@ int main(int argc, char **argv) {
         run_fused_bounded_split(64, LATE_GATE, false);
         run_fused_bounded_split(64, LATE_GATE, true);
         run_fused_bounded_split(64, LATE_BETA, false); // --race too: its b check reads the warm-up length a group's warps share (53c4c1e's race)
-        // two 128-column blocks, of which block 0 sets a piece's flag
+        // two 128-column blocks (on Hopper a pair: each block flags the chunks its own groups built)
         if (!race) run_fused_bounded_split(64, LATE_GATE, true, "128", 256), run_fused_bounded_split(100, LATE_NONE, false, "128", 200);
 #ifdef KDA_TEST_EMU
         run_fused_replans_for_new_lengths();
