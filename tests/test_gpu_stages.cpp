@@ -517,12 +517,15 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
     const int before = emu_fused;
 #endif
     // (on a GPU, a fourth side: the fused forward with KDA_FUSED_PAIRS=0, which must give the
-    // bits of the first where Hopper pairs the column blocks; the emulator never pairs them)
+    // bits of the first where Hopper pairs the column blocks; the emulator never pairs them.
+    // The first follows the caller's KDA_FUSED_PAIRS: the GPU tests' racecheck run sets it to 0)
 #ifdef KDA_TEST_EMU
     const int sides = 3;
 #else
     const int sides = 4;
 #endif
+    const char *pairs_env = getenv("KDA_FUSED_PAIRS");
+    const std::string pairs_was = pairs_env ? pairs_env : "";
     for (int side = 0; side < sides; side++) { /* CPU, device fused, device staged, device fused unpaired */
         kda_context *ctx = side ? g_dev : cpu;
         Out &oo = side == 2 ? os : side == 3 ? op : o;
@@ -534,12 +537,13 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
         out.o = side ? oo.d : (void *)o.c.data();
         out.ht = side == 1 ? (float *)ht.d : side == 3 ? (float *)htp.d : side == 0 ? (float *)ht.c.data() : NULL;
         setenv("KDA_FUSED", side == 2 ? "0" : "1", 1);
-        setenv("KDA_FUSED_PAIRS", side == 3 ? "0" : "1", 1);
+        if (side == 3) setenv("KDA_FUSED_PAIRS", "0", 1);
         CHECK(kda_chunk_fwd(ctx, &p, side ? &X.dev : &X.host, &out) == KDA_OK, "%s: fwd (%d): %s", cf.name, side,
               kda_last_error(ctx));
     }
     unsetenv("KDA_FUSED");
-    unsetenv("KDA_FUSED_PAIRS");
+    if (pairs_env) setenv("KDA_FUSED_PAIRS", pairs_was.c_str(), 1);
+    else unsetenv("KDA_FUSED_PAIRS");
     unsetenv("KDA_SEGMENTS");
     unsetenv("KDA_FUSED_BV");
 #ifdef KDA_TEST_EMU
