@@ -2071,11 +2071,6 @@ typedef struct kda__kdesc {
     int smem; /* bytes of dynamic shared memory (0: static only) */
     const char *src;
 } kda__kdesc;
-/* The fused forward's kernels with the column blocks in pairs: launched in clusters of two */
-static int kda__fused_is_pairs(const kda__kdesc *k) {
-    const size_t n = strlen(k->stage);
-    return n > 6 && !strcmp(k->stage + n - 6, "_pairs");
-}
 #define KDA__GRID_ROWS 0
 #define KDA__GRID_CHUNK_HEAD 1
 #define KDA__GRID_CHUNK_HEAD_V 2
@@ -2794,6 +2789,11 @@ static kda_status kda__cu_function(kda_context *ctx, kda__cuda *c, const kda__kd
     return s;
 }
 
+/* The fused forward's kernels with the column blocks in pairs: launched in clusters of two */
+static int kda__fused_is_pairs(const kda__kdesc *k) {
+    const size_t n = strlen(k->stage);
+    return n > 6 && !strcmp(k->stage + n - 6, "_pairs");
+}
 /* A launch on the context's stream; pdl: with programmatic stream serialization (sm_90,
  * cuLaunchKernelEx), so that the kernel may launch while the one before it in the stream
  * still runs, once that one's blocks have all started, and waits for its end itself
