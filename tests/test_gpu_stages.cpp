@@ -49,7 +49,7 @@ static int emu_launches, emu_fused, emu_fused_bv, emu_fused_nseg; // fused launc
 static std::vector<int> emu_flags, emu_pieces; // the last bounded split's flags ([piece][HV]: the bound failed) and piece table
 static std::vector<int> emu_warm_flags;         // the flags fwd_bound wrote (the warm-ups alone)
 static std::vector<unsigned char> emu_o_bounded; // o as the bounded pass left it (emu_o_bytes of it)
-static size_t emu_o_bytes;
+static size_t emu_o_bytes;                       // (0: none copied; a test that sets it clears it after)
 static long long emu_cut[2];                    // and its pieces a sequence and their chunks (fixed lengths)
 static long long emu_exact_cut[3];              // the exact passes' after it: pieces, a sequence's, their chunks
 static std::vector<double> emu_warm_sums;      // fwd_bound's bound recomputed on the host: [slot][HV], NAN where no state is dropped
@@ -677,6 +677,9 @@ static void run_fused_bounded_split(int K, int late, bool varlen, const char *bv
 #endif
     }
     unsetenv("KDA_SEGMENTS"); unsetenv("KDA_WARMUP"); unsetenv("KDA_FUSED_BV"); unsetenv("KDA_SPLIT");
+#ifdef KDA_TEST_EMU
+    emu_o_bytes = 0; // (a later test's o may be smaller)
+#endif
     o.fetch(); ht.fetch(); oe.fetch(); hte.fetch();
     const double eo = err_t(o.c.data(), o.h.data(), I.nv, p.dtype), eh = err_f((float *)ht.c.data(), (float *)ht.h.data(), nst);
     CHECK(eo <= 1e-2 && eh <= 1e-2, "%s: o error %.3g, ht error %.3g", name, eo, eh);
@@ -759,6 +762,7 @@ static void run_fused_bound_flags_match_the_warmup_sums() {
         emu_o_bytes = I.nv * kda_dtype_size(p.dtype); // (what the hook copies of o: this o's size, not the last test's)
         CHECK(kda_chunk_fwd(g_dev, &p, &X.dev, &out) == KDA_OK, "%s: fwd: %s", name, kda_last_error(g_dev));
         unsetenv("KDA_SEGMENTS"); unsetenv("KDA_WARMUP"); unsetenv("KDA_SPLIT");
+        emu_o_bytes = 0;
         // the output either way: bounded where the flags held, the exact split (fwd_combine
         // included, K % 4 != 0 too) where they failed
         o.fetch(), ht.fetch();
