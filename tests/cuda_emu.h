@@ -1,11 +1,12 @@
 // tests/cuda_emu.h - runs the generated CUDA kernels on the CPU, so that CI (no
 // GPU) checks every kernel against its CPU twin. C++20.
 //
-// One block at a time; each CUDA thread of the block is a std::thread. A block
-// barrier is __syncthreads, a per-warp barrier with an exchange buffer makes the
-// warp shuffles, and __shared__ is `static`: correct because blocks never run
-// concurrently. A kernel that deadlocks here (a __syncthreads some threads skip)
-// is wrong on the GPU too. Timing means nothing here; only results do.
+// One block at a time (the blocks of a cluster at once); each CUDA thread of the block is a
+// std::thread. A block barrier is __syncthreads, a per-warp barrier with an exchange buffer
+// makes the warp shuffles, and __shared__ is `static`: correct because blocks never run
+// concurrently (the fused forward's dynamic shared memory, KDA_SMEM, is each block's own). A
+// kernel that deadlocks here (a __syncthreads some threads skip) is wrong on the GPU too.
+// Timing means nothing here; only results do.
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -15,7 +16,9 @@
 
 #include <atomic>
 #include <barrier>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -49,7 +52,87 @@ struct kda_emu_block {
     kda_emu_named named[16];                    // bar.sync / bar.arrive
     std::atomic<int> red[16][3] = {};           // bar.red.or: one slot per call, three in turn
 };
-inline kda_emu_block *kda_emu_state;
+inline thread_local kda_emu_block *kda_emu_state; // this thread's block
+
+// ---- thread block clusters (the fused forward's pairs): the blocks of a cluster run at once,
+// each with its own dynamic shared memory; a shared::cluster address is a pointer into the
+// other block's. An mbarrier is its 8 bytes as one atomic word: phase (bit 63), arrivals
+// expected (48-62) and pending (32-47), transaction bytes pending (0-31, signed). A bulk copy
+// lands as late as the hardware may let it: when a thread waits on its barrier, so that a read
+// or a rewrite of its source or destination that the protocol leaves unordered against it is
+// a race that ThreadSanitizer (make test-race) reports.
+struct kda_emu_bulk { void *dst; const void *src; unsigned bytes; };
+struct kda_emu_cluster {
+    unsigned size = 1;
+    std::unique_ptr<std::barrier<>> all;                 // barrier.cluster: every thread of the cluster
+    std::vector<std::vector<unsigned char>> smem;        // each block's dynamic shared memory
+    std::mutex mu;                                       // the copies not yet landed, by barrier
+    std::map<void *, std::vector<kda_emu_bulk>> pending;
+};
+inline kda_emu_cluster *kda_emu_cl;
+inline thread_local unsigned kda_emu_rank; // this thread's block in its cluster
+inline void *kda_emu_smem(size_t bytes) {
+    std::vector<unsigned char> &m = kda_emu_cl->smem[kda_emu_rank];
+    if (m.size() < bytes) {
+        fprintf(stderr, "cuda_emu: %zu bytes of dynamic shared memory, the launch gave %zu\n", bytes, m.size());
+        abort();
+    }
+    return m.data();
+}
+inline unsigned kda_emu_cl_rank() { return kda_emu_rank; }
+inline void *kda_emu_cl_map(const void *p, unsigned rank) {
+    const unsigned char *mine = kda_emu_cl->smem[kda_emu_rank].data();
+    return kda_emu_cl->smem[rank].data() + ((const unsigned char *)p - mine);
+}
+inline void kda_emu_cl_sync() { kda_emu_cl->all->arrive_and_wait(); }
+inline uint64_t kda_emu_mb_word(uint64_t phase, uint64_t expect, uint64_t left, int32_t tx) {
+    return phase << 63 | expect << 48 | left << 32 | (uint32_t)tx;
+}
+inline void kda_emu_mb_init(void *b, int n) {
+    std::atomic_ref<uint64_t>(*(uint64_t *)b).store(kda_emu_mb_word(0, (uint64_t)n, (uint64_t)n, 0), std::memory_order_release);
+}
+// arrivals and transaction bytes (tx added by expect_tx, taken by a copy's completion); the
+// update that leaves neither pending ends the phase
+inline void kda_emu_mb_update(void *b, int arrivals, int tx) {
+    std::atomic_ref<uint64_t> w(*(uint64_t *)b);
+    uint64_t s = w.load(std::memory_order_relaxed), n;
+    do {
+        uint64_t phase = s >> 63, expect = s >> 48 & 0x7fff, left = (s >> 32 & 0xffff) - (uint64_t)arrivals;
+        const int32_t t = (int32_t)(uint32_t)s + tx;
+        if (left == 0 && t == 0) phase ^= 1, left = expect;
+        n = kda_emu_mb_word(phase, expect, left, t);
+    } while (!w.compare_exchange_weak(s, n, std::memory_order_acq_rel, std::memory_order_relaxed));
+    w.notify_all();
+}
+inline bool kda_emu_mb_land(void *b) { // the copies pending on barrier b land (one waiter does it)
+    std::vector<kda_emu_bulk> c;
+    {
+        std::lock_guard<std::mutex> g(kda_emu_cl->mu);
+        auto it = kda_emu_cl->pending.find(b);
+        if (it == kda_emu_cl->pending.end() || it->second.empty()) return false;
+        c.swap(it->second);
+    }
+    for (const kda_emu_bulk &x : c) {
+        memcpy(x.dst, x.src, x.bytes);
+        kda_emu_mb_update(b, 0, -(int)x.bytes);
+    }
+    return true;
+}
+inline void kda_emu_mb_wait(void *b, unsigned parity) { // until the phase of this parity has ended
+    std::atomic_ref<uint64_t> w(*(uint64_t *)b);
+    for (;;) {
+        const uint64_t s = w.load(std::memory_order_acquire);
+        if ((s >> 63) != parity) return;
+        if (!kda_emu_mb_land(b)) w.wait(s, std::memory_order_acquire);
+    }
+}
+inline void kda_emu_bulk_to(void *dst, const void *src, int bytes, void *b) {
+    {
+        std::lock_guard<std::mutex> g(kda_emu_cl->mu);
+        kda_emu_cl->pending[b].push_back({dst, src, (unsigned)bytes});
+    }
+    kda_emu_mb_update(b, 1, bytes); // arrive.expect_tx
+}
 
 inline void __syncthreads() { kda_emu_state->block->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) {
@@ -211,33 +294,51 @@ inline void __threadfence_block() {}
 inline float kda_emu_f16_to_f32(unsigned short h) { _Float16 x; memcpy(&x, &h, 2); return (float)x; }
 inline unsigned short kda_emu_f32_to_f16(float f) { _Float16 x = (_Float16)f; unsigned short h; memcpy(&h, &x, 2); return h; }
 
-// Runs kernel<<<grid, threads>>>(arg): every block in order, threads of a block concurrently.
-template <class P> inline void kda_emu_launch(void (*kernel)(const P), kda_emu_dim3 grid, unsigned threads, const P &arg) {
-    kda_emu_block st;
-    st.block = std::make_unique<std::barrier<>>((std::ptrdiff_t)threads);
-    for (unsigned w = 0; w < (threads + 31) / 32; w++) {
-        unsigned n = threads - 32 * w < 32 ? threads - 32 * w : 32;
-        st.warp.push_back(std::make_unique<std::barrier<>>((std::ptrdiff_t)n));
+// Runs kernel<<<grid, threads, smem>>>(arg): every block in order, threads of a block
+// concurrently; in clusters of `cluster` blocks along x (axis 0) or z (axis 2), the blocks of
+// a cluster concurrently.
+template <class P>
+inline void kda_emu_launch(void (*kernel)(const P), kda_emu_dim3 grid, unsigned threads, const P &arg, size_t smem = 0,
+                           unsigned cluster = 1, int axis = 0) {
+    std::vector<kda_emu_block> st(cluster);
+    for (kda_emu_block &b : st) {
+        b.block = std::make_unique<std::barrier<>>((std::ptrdiff_t)threads);
+        for (unsigned w = 0; w < (threads + 31) / 32; w++) {
+            unsigned n = threads - 32 * w < 32 ? threads - 32 * w : 32;
+            b.warp.push_back(std::make_unique<std::barrier<>>((std::ptrdiff_t)n));
+        }
+        b.xchg.assign(threads + 32, 0);
+        b.mma.assign((size_t)(threads + 32) * 10, 0);
     }
-    st.xchg.assign(threads + 32, 0);
-    st.mma.assign((size_t)(threads + 32) * 10, 0);
-    kda_emu_state = &st;
+    kda_emu_cluster cl;
+    cl.size = cluster;
+    cl.all = std::make_unique<std::barrier<>>((std::ptrdiff_t)(threads * cluster));
+    cl.smem.assign(cluster, std::vector<unsigned char>(smem));
+    kda_emu_cl = &cl;
     blockDim.x = threads; blockDim.y = blockDim.z = 1;
     gridDim = grid;
+    const unsigned sx = axis == 0 ? cluster : 1, sz = axis == 2 ? cluster : 1;
+    if (grid.x % sx || grid.z % sz) {
+        fprintf(stderr, "cuda_emu: clusters of %u do not divide the grid\n", cluster);
+        abort();
+    }
     std::vector<std::thread> pool;
-    for (unsigned t = 0; t < threads; t++)
-        pool.emplace_back([&, t] {
-            threadIdx.x = t;
-            for (unsigned &c : kda_emu_red_calls) c = 0;
-            for (unsigned z = 0; z < grid.z; z++)
-                for (unsigned y = 0; y < grid.y; y++)
-                    for (unsigned x = 0; x < grid.x; x++) {
-                        blockIdx.x = x; blockIdx.y = y; blockIdx.z = z;
-                        kernel(arg);
-                        kda_emu_cp_land(); // copies nothing waited for (the hardware lands them too)
-                        st.block->arrive_and_wait(); // the block ends for every thread together
-                    }
-        });
+    for (unsigned r = 0; r < cluster; r++)
+        for (unsigned t = 0; t < threads; t++)
+            pool.emplace_back([&, r, t] {
+                threadIdx.x = t;
+                kda_emu_rank = r;
+                kda_emu_state = &st[r];
+                for (unsigned &c : kda_emu_red_calls) c = 0;
+                for (unsigned z = 0; z < grid.z; z += sz)
+                    for (unsigned y = 0; y < grid.y; y++)
+                        for (unsigned x = 0; x < grid.x; x += sx) {
+                            blockIdx.x = x + (axis == 0 ? r : 0); blockIdx.y = y; blockIdx.z = z + (axis == 2 ? r : 0);
+                            kernel(arg);
+                            kda_emu_cp_land(); // copies nothing waited for (the hardware lands them too)
+                            st[r].block->arrive_and_wait(); // the block ends for every thread together
+                        }
+            });
     for (auto &th : pool) th.join();
-    kda_emu_state = nullptr;
+    kda_emu_cl = nullptr;
 }

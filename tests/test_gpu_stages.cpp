@@ -46,6 +46,7 @@ static kda_status emu_copy(kda_context *, void *dst, const void *src, size_t byt
 }
 static kda_status emu_fill(kda_context *, void *dst, int byte, size_t bytes) { memset(dst, byte, bytes); return KDA_OK; }
 static int emu_launches, emu_fused, emu_fused_bv, emu_fused_nseg; // fused launches, the last one's value tile and most segments of a sequence
+static int emu_pairs;                                               // launches of the fused forward's pairs kernels
 static std::vector<int> emu_flags, emu_pieces; // the last bounded split's flags ([piece][HV]: the bound failed) and piece table
 static std::vector<int> emu_warm_flags;         // the flags fwd_bound wrote (the warm-ups alone)
 static std::vector<unsigned char> emu_o_bounded; // o as the bounded pass left it (emu_o_bytes of it)
@@ -98,16 +99,19 @@ static kda_status emu_launch(kda_context *ctx, const kda__kdesc *k, const unsign
             g.x = grid[0]; g.y = grid[1]; g.z = grid[2];
             KdaParams prm;
             memcpy(&prm, a, sizeof prm);
-            kda_emu_launch(e.fn, g, (unsigned)k->threads, prm);
+            // (the pairs kernels in clusters of two along the column blocks: z, or x where the grid is one-dimensional)
+            const bool pairs = kda__fused_is_pairs(k);
+            kda_emu_launch(e.fn, g, (unsigned)k->threads, prm, (size_t)k->smem, pairs ? 2u : 1u, pairs && g.z == 1 ? 0 : 2);
             emu_launches++;
+            if (pairs) emu_pairs++;
             if (!strcmp(k->stage, "fwd_bound"))
                 emu_warm_flags.assign(a->fz_flags, a->fz_flags + a->fz_npieces * a->HV), emu_warm_sums_of(a);
-            if (!strcmp(k->stage, "fwd_fused_bounded"))
+            if (!strcmp(k->stage, "fwd_fused_bounded") || !strcmp(k->stage, "fwd_fused_bounded_pairs"))
                 emu_flags.assign(a->fz_flags, a->fz_flags + a->fz_npieces * a->HV),
                     emu_pieces.assign(a->fz_piece, a->fz_piece ? a->fz_piece + 3 * a->fz_npieces + a->N + 1 : a->fz_piece),
                     emu_cut[0] = a->fz_nseg, emu_cut[1] = a->fz_each,
                     emu_o_bounded.assign((const unsigned char *)a->o, (const unsigned char *)a->o + emu_o_bytes);
-            if (!strcmp(k->stage, "fwd_fused") && a->fz_mode == 0 && a->fz_flags)
+            if ((!strcmp(k->stage, "fwd_fused") || !strcmp(k->stage, "fwd_fused_pairs")) && a->fz_mode == 0 && a->fz_flags)
                 emu_exact_cut[0] = a->fz_npieces, emu_exact_cut[1] = a->fz_nseg, emu_exact_cut[2] = a->fz_each;
             return KDA_OK;
         }
@@ -117,8 +121,9 @@ static kda_status emu_sync(kda_context *) { return KDA_OK; }
 static void emu_destroy(kda_context *) {}
 static int emu_smem_limit; // dynamic shared memory the emulated device gives a block (0: unknown)
 static int emu_smem_optin(kda_context *) { return emu_smem_limit; }
+static int emu_pairs_ok(kda_context *) { return 1; } // the emulator runs clusters (tests/cuda_emu.h)
 static const kda__devops emu_ops = {"emulator", emu_alloc, emu_release, emu_copy, emu_fill, emu_launch, emu_sync, emu_destroy,
-                                    nullptr, emu_smem_optin};
+                                    nullptr, emu_smem_optin, nullptr, emu_pairs_ok};
 
 static kda_context *dev_ctx() {
     kda_context *ctx = NULL;
@@ -514,19 +519,14 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
     setenv("KDA_SEGMENTS", segments, 1);
     setenv("KDA_FUSED_BV", bv, 1);
 #ifdef KDA_TEST_EMU
-    const int before = emu_fused;
+    const int before = emu_fused, pairs_before = emu_pairs;
 #endif
-    // (on a GPU, a fourth side: the fused forward with KDA_FUSED_PAIRS=0, which must give the
-    // bits of the first where Hopper pairs the column blocks; the emulator never pairs them.
-    // The first follows the caller's KDA_FUSED_PAIRS: the GPU tests' racecheck run sets it to 0)
-#ifdef KDA_TEST_EMU
-    const int sides = 3;
-#else
-    const int sides = 4;
-#endif
+    // A fourth side: the fused forward with KDA_FUSED_PAIRS=0, which must give the bits of the
+    // first where the column blocks go in pairs (Hopper, and the emulator). The first follows
+    // the caller's KDA_FUSED_PAIRS: the GPU tests' racecheck run sets it to 0.
     const char *pairs_env = getenv("KDA_FUSED_PAIRS");
     const std::string pairs_was = pairs_env ? pairs_env : "";
-    for (int side = 0; side < sides; side++) { /* CPU, device fused, device staged, device fused unpaired */
+    for (int side = 0; side < 4; side++) { /* CPU, device fused, device staged, device fused unpaired */
         kda_context *ctx = side ? g_dev : cpu;
         Out &oo = side == 2 ? os : side == 3 ? op : o;
         if (side) oo.poison();
@@ -548,13 +548,15 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
     unsetenv("KDA_FUSED_BV");
 #ifdef KDA_TEST_EMU
     CHECK(emu_fused > before, "%s: the fused kernel did not run", cf.name);
+    // (pairs where 128 columns leave V an even number of blocks and no other KDA_FUSED_PAIRS is set)
+    const bool paired = !strcmp(bv, "128") && (p.V + 127) / 128 % 2 == 0 && !pairs_env;
+    CHECK((emu_pairs > pairs_before) == paired, "%s (segments %s, bv %s): pairs ran %d times", cf.name, segments, bv,
+          emu_pairs - pairs_before);
 #endif
     o.fetch(); ht.fetch(); os.fetch();
-    if (sides == 4) {
-        op.fetch(); htp.fetch();
-        CHECK(!memcmp(o.h.data(), op.h.data(), I.nv * es) && !memcmp(ht.h.data(), htp.h.data(), nst * 4),
-              "%s (segments %s, bv %s): o or ht differ without pairs", cf.name, segments, bv);
-    }
+    op.fetch(); htp.fetch();
+    CHECK(!memcmp(o.h.data(), op.h.data(), I.nv * es) && !memcmp(ht.h.data(), htp.h.data(), nst * 4),
+          "%s (segments %s, bv %s): o or ht differ without pairs", cf.name, segments, bv);
     const double eo = err_t(o.c.data(), o.h.data(), I.nv, p.dtype), eh = err_f((float *)ht.c.data(), (float *)ht.h.data(), nst);
     CHECK(eo <= 1e-2, "%s (segments %s, bv %s): o error %.3g", cf.name, segments, bv, eo);
     CHECK(eh <= 1e-2, "%s (segments %s, bv %s): ht error %.3g", cf.name, segments, bv, eh);
