@@ -2789,11 +2789,14 @@ static kda_status kda__cu_function(kda_context *ctx, kda__cuda *c, const kda__kd
     return s;
 }
 
-/* The fused forward's kernels with the column blocks in pairs: launched in clusters of two */
+/* The fused forward's kernels with the column blocks in pairs: launched in clusters of two
+ * along the column blocks, grid axis kda__fused_pair_axis: z, or x where the grid is
+ * one-dimensional (varlen, column blocks innermost) */
 static int kda__fused_is_pairs(const kda__kdesc *k) {
     const size_t n = strlen(k->stage);
     return n > 6 && !strcmp(k->stage + n - 6, "_pairs");
 }
+static int kda__fused_pair_axis(const unsigned grid[3]) { return grid[2] > 1 ? 2 : 0; }
 /* A launch on the context's stream; pdl: with programmatic stream serialization (sm_90,
  * cuLaunchKernelEx), so that the kernel may launch while the one before it in the stream
  * still runs, once that one's blocks have all started, and waits for its end itself
@@ -2801,8 +2804,6 @@ static int kda__fused_is_pairs(const kda__kdesc *k) {
  * otherwise wait a launch each. */
 static kda_status kda__cu_launch_pdl(kda_context *ctx, const kda__kdesc *k, const unsigned grid[3], const kda__kparams *a,
                                      int pdl) {
-    /* (a _pairs kernel: clusters of two along the column blocks, z, or x where the grid is
-     * one-dimensional: varlen, column blocks innermost) */
     typedef struct { int id; char pad[4]; union { char raw[64]; long long align; int allowed; } v; } attr_t;
     typedef struct {
         unsigned grid[3], block[3], smem;
@@ -2829,7 +2830,8 @@ static kda_status kda__cu_launch_pdl(kda_context *ctx, const kda__kdesc *k, cons
         if (pair) {
             unsigned *d = (unsigned *)at[cf.nattrs].v.raw; /* CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: x, y, z */
             at[cf.nattrs++].id = 4;
-            d[0] = grid[2] > 1 ? 1u : 2u, d[1] = 1u, d[2] = grid[2] > 1 ? 2u : 1u;
+            d[0] = d[1] = d[2] = 1u;
+            d[kda__fused_pair_axis(grid)] = 2u;
         }
         cf.grid[0] = grid[0], cf.grid[1] = grid[1], cf.grid[2] = grid[2];
         cf.block[0] = (unsigned)k->threads, cf.block[1] = cf.block[2] = 1;
@@ -3206,6 +3208,12 @@ static const kda__kdesc *kda__fused_like(const char *stage, const kda__kdesc *k)
     }
     return NULL;
 }
+/* Value column blocks of fused kernel k */
+static long long kda__fused_vblocks(const kda__kdesc *k, const kda_problem *p) { return (p->V + k->bv - 1) / k->bv; }
+/* The pairs twin of fwd_fused or fwd_fused_bounded kernel k (128 columns only), or NULL */
+static const kda__kdesc *kda__fused_pairs_of(const kda__kdesc *k) {
+    return kda__fused_like(strcmp(k->stage, "fwd_fused") ? "fwd_fused_bounded_pairs" : "fwd_fused_pairs", k);
+}
 
 /* Indices of the kernels a forward, backward and decode of p use (the fused forward's
  * with each value tile: kda__fused_variant picks one by the sequence lengths; and their pairs
@@ -3231,8 +3239,7 @@ int kda_kernels_needed(kda_context *ctx, const kda_problem *p, int *idx, int max
              j++) { /* its other value tiles, and the pairs kernels */
             const kda__kdesc *o = &kda__kernels[j], *tw;
             if (!kda__fused_sibling(o, k)) continue;
-            const char *twin = stages[i] == KDA__STAGE_FWD_FUSED ? "fwd_fused_pairs" : "fwd_fused_bounded_pairs";
-            tw = (p->V + 127) / 128 % 2 == 0 ? kda__fused_like(twin, o) : NULL;
+            tw = kda__fused_vblocks(o, p) % 2 == 0 ? kda__fused_pairs_of(o) : NULL;
             if (o != k && n < max && idx) idx[n] = j;
             n += o != k;
             if (tw && n < max && idx) idx[n] = (int)(tw - kda__kernels);
@@ -3517,9 +3524,8 @@ static const kda__kdesc *kda__fused_wanted(kda_context *ctx, const kda_problem *
     return k;
 }
 
-/* Column blocks of fwd_fused kernel k: value blocks; a transition pass adds K identity
- * columns in blocks of the same width. */
-static long long kda__fused_vblocks(const kda__kdesc *k, const kda_problem *p) { return (p->V + k->bv - 1) / k->bv; }
+/* Column blocks of fwd_fused kernel k: value blocks (kda__fused_vblocks, above); a
+ * transition pass adds K identity columns in blocks of the same width. */
 static long long kda__fused_kblocks(const kda__kdesc *k, const kda_problem *p) { return (p->K + k->bv - 1) / k->bv; }
 
 /* ---- the fused forward's plan: every sequence cut into pieces (segments) of whole 16-token
@@ -3761,7 +3767,7 @@ static kda_status kda__fused_table(kda_context *ctx, const kda_problem *p, const
  * (B8 T4096 H16 V256 0.680 ms against 0.809, B2 T8192 H16 V256 0.368 against 0.416; 2026-11-26). */
 #define KDA__PAIR_COST 0.87
 static const kda__kdesc *kda__fused_pairs(kda_context *ctx, const kda__kdesc *k, const kda_problem *p) {
-    const kda__kdesc *kp = kda__fused_like(strcmp(k->stage, "fwd_fused") ? "fwd_fused_bounded_pairs" : "fwd_fused_pairs", k);
+    const kda__kdesc *kp = kda__fused_pairs_of(k);
     const int optin = ctx->dev && ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
     if (!kp || !ctx->dev || !ctx->dev->pairs || !ctx->dev->pairs(ctx) || kda__fused_vblocks(k, p) % 2 != 0) return NULL;
     return (optin <= 0 || kp->smem <= optin) && kda__env_int("KDA_FUSED_PAIRS", 1) > 0 ? kp : NULL;
@@ -3931,7 +3937,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     kda__fz_plan pl, pe;
     kda__kparams a;
     kda_status s;
-    const kda__kdesc *pairs; /* kf's pairs kernel, where the column blocks go in pairs */
+    const kda__kdesc *pairs, *pairs_b; /* kf's pairs kernel and its bounded one, where the column blocks go in pairs */
     if (!kc || !kb) return KDA_ERROR_UNSUPPORTED;
     if (kda__fz_maxnch(c->s.len, N) == 0) return KDA_OK;
     /* a caller's workspace bounds the pieces */
@@ -3941,7 +3947,8 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     if (s) return s;
     nvb = kda__fused_vblocks(kf, p);
     pairs = kda__fused_pairs(ctx, kf, p);
-    if (pairs && warm >= 0 && !kda__fused_pairs(ctx, kda__fused_bounded(kf), p)) pairs = NULL; /* (both or neither) */
+    pairs_b = pairs && warm >= 0 ? kda__fused_pairs(ctx, kda__fused_bounded(kf), p) : NULL;
+    if (!pairs_b && warm >= 0) pairs = NULL; /* (both passes in pairs, or neither) */
     if (pl.np <= N) pe = pl; /* no split: whole sequences in the output pass */
     if (pl.np > N) bf = (size_t)pl.np * flags;
     if (pe.np > N) bt = (size_t)pe.np * trans, bs = (size_t)pe.np * start;
@@ -3977,9 +3984,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
         if ((s = kda__chain_launch(ctx, &chained, kb, grid, &a))) goto done;
         a.fz_mode = 2;
         KDA__FZ_GRID(pl, nvb);
-        if ((s = kda__chain_launch(ctx, &chained, pairs ? kda__fused_pairs(ctx, kda__fused_bounded(kf), p) : kda__fused_bounded(kf), grid,
-                                   &a)))
-            goto done;
+        if ((s = kda__chain_launch(ctx, &chained, pairs_b ? pairs_b : kda__fused_bounded(kf), grid, &a))) goto done;
         a.fz_piece = pe.tab ? etab : NULL; /* the exact passes' own cut */
         a.fz_npieces = pe.np, a.fz_nseg = pe.nseg, a.fz_each = pe.each, a.fz_warm = 0;
     }

@@ -63,7 +63,6 @@ inline thread_local kda_emu_block *kda_emu_state; // this thread's block
 // a race that ThreadSanitizer (make test-race) reports.
 struct kda_emu_bulk { void *dst; const void *src; unsigned bytes; };
 struct kda_emu_cluster {
-    unsigned size = 1;
     std::unique_ptr<std::barrier<>> all;                 // barrier.cluster: every thread of the cluster
     std::vector<std::vector<unsigned char>> smem;        // each block's dynamic shared memory
     std::mutex mu;                                       // the copies not yet landed, by barrier
@@ -311,7 +310,6 @@ inline void kda_emu_launch(void (*kernel)(const P), kda_emu_dim3 grid, unsigned 
         b.mma.assign((size_t)(threads + 32) * 10, 0);
     }
     kda_emu_cluster cl;
-    cl.size = cluster;
     cl.all = std::make_unique<std::barrier<>>((std::ptrdiff_t)(threads * cluster));
     cl.smem.assign(cluster, std::vector<unsigned char>(smem));
     kda_emu_cl = &cl;

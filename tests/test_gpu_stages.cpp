@@ -99,9 +99,8 @@ static kda_status emu_launch(kda_context *ctx, const kda__kdesc *k, const unsign
             g.x = grid[0]; g.y = grid[1]; g.z = grid[2];
             KdaParams prm;
             memcpy(&prm, a, sizeof prm);
-            // (the pairs kernels in clusters of two along the column blocks: z, or x where the grid is one-dimensional)
-            const bool pairs = kda__fused_is_pairs(k);
-            kda_emu_launch(e.fn, g, (unsigned)k->threads, prm, (size_t)k->smem, pairs ? 2u : 1u, pairs && g.z == 1 ? 0 : 2);
+            const bool pairs = kda__fused_is_pairs(k); // (clusters of two, as kda.h's launch makes them)
+            kda_emu_launch(e.fn, g, (unsigned)k->threads, prm, (size_t)k->smem, pairs ? 2u : 1u, kda__fused_pair_axis(grid));
             emu_launches++;
             if (pairs) emu_pairs++;
             if (!strcmp(k->stage, "fwd_bound"))
@@ -515,18 +514,19 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
     DevIn X;
     dev_inputs(X, I);
     const size_t es = kda_dtype_size(p.dtype), nst = I.ns;
-    Out o, ht, os, op, htp; // CPU (o.c, ht.c) and device fused (o.h, ht.h); device staged; device fused without pairs
-    o.init(I.nv * es); ht.init(nst * 4); os.init(I.nv * es); op.init(I.nv * es); htp.init(nst * 4);
-    setenv("KDA_SEGMENTS", segments, 1);
-    setenv("KDA_FUSED_BV", bv, 1);
-#ifdef KDA_TEST_EMU
-    const int before = emu_fused, pairs_before = emu_pairs;
-#endif
     // Where the column blocks go in pairs (a device that takes them, Hopper or the emulator; 128
     // columns; V an even number of blocks; no KDA_FUSED_PAIRS from the caller, as the GPU tests'
     // racecheck run sets), a fourth side: the same forward unpaired, which must give its bits.
     const bool paired = !getenv("KDA_FUSED_PAIRS") && g_dev->dev->pairs && g_dev->dev->pairs(g_dev) && !strcmp(bv, "128") &&
                         (p.V + 127) / 128 % 2 == 0;
+    Out o, ht, os, op, htp; // CPU (o.c, ht.c) and device fused (o.h, ht.h); device staged; device fused without pairs
+    o.init(I.nv * es); ht.init(nst * 4); os.init(I.nv * es);
+    if (paired) op.init(I.nv * es), htp.init(nst * 4);
+    setenv("KDA_SEGMENTS", segments, 1);
+    setenv("KDA_FUSED_BV", bv, 1);
+#ifdef KDA_TEST_EMU
+    const int before = emu_fused, pairs_before = emu_pairs;
+#endif
     for (int side = 0; side < (paired ? 4 : 3); side++) { /* CPU, device fused, device staged, device fused unpaired */
         kda_context *ctx = side ? g_dev : cpu;
         Out &oo = side == 2 ? os : side == 3 ? op : o;
