@@ -15,7 +15,6 @@
 #include <string.h>
 
 #include <atomic>
-#include <barrier>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -44,15 +43,38 @@ struct kda_emu_named {
     std::atomic<int> n{0}, arrived{0};
     std::atomic<unsigned> phase{0};
 };
+// A barrier of n threads: a count and a phase, the waiters asleep on the phase (std::barrier's
+// tree of arrivals cost more with hundreds of threads on few cores)
+struct kda_emu_barrier {
+    explicit kda_emu_barrier(int n) : n(n), left(n) {}
+    void arrive_and_wait() {
+        const unsigned ph = phase.load(std::memory_order_relaxed); // (cannot end before this arrival)
+        if (left.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+            left.store(n, std::memory_order_relaxed);
+            phase.fetch_add(1, std::memory_order_release);
+            phase.notify_all();
+        } else {
+            while (phase.load(std::memory_order_acquire) == ph) phase.wait(ph, std::memory_order_acquire);
+        }
+    }
+    const int n;
+    std::atomic<int> left;
+    std::atomic<unsigned> phase{0};
+};
 struct kda_emu_block {
-    std::unique_ptr<std::barrier<>> block;
-    std::vector<std::unique_ptr<std::barrier<>>> warp;
-    std::vector<uint64_t> xchg; // one slot per thread
-    std::vector<uint32_t> mma;  // 10 words per thread: the fragments of one mma
+    std::unique_ptr<kda_emu_barrier> block;
+    std::vector<std::unique_ptr<kda_emu_barrier>> warp;
+    // A warp operation (shuffle, mma, ldmatrix) exchanges values through these, two sets used
+    // in turn: a lane writes the set of its operation k + 2 after the barrier of k + 1, which
+    // every lane reaches after reading what k exchanged, so that a shuffle or an mma takes one
+    // warp barrier, not two (the emulator's time is mostly these barriers)
+    std::vector<uint64_t> xchg[2]; // one slot per thread
+    std::vector<uint32_t> mma[2];  // 10 words per thread: the fragments of one mma
     kda_emu_named named[16];                    // bar.sync / bar.arrive
     std::atomic<int> red[16][3] = {};           // bar.red.or: one slot per call, three in turn
 };
 inline thread_local kda_emu_block *kda_emu_state; // this thread's block
+inline thread_local unsigned kda_emu_wops;         // this thread's warp operations so far (the lanes' counts agree)
 
 // ---- thread block clusters (the fused forward's pairs): the blocks of a cluster run at once,
 // each with its own dynamic shared memory; a shared::cluster address is a pointer into the
@@ -63,7 +85,7 @@ inline thread_local kda_emu_block *kda_emu_state; // this thread's block
 // a race that ThreadSanitizer (make test-race) reports.
 struct kda_emu_bulk { void *dst; const void *src; unsigned bytes; };
 struct kda_emu_cluster {
-    std::unique_ptr<std::barrier<>> all;                 // barrier.cluster: every thread of the cluster
+    std::unique_ptr<kda_emu_barrier> all;                // barrier.cluster: every thread of the cluster
     std::vector<std::vector<unsigned char>> smem;        // each block's dynamic shared memory
     std::mutex mu;                                       // the copies not yet landed, by barrier
     std::map<void *, std::vector<kda_emu_bulk>> pending;
@@ -178,12 +200,12 @@ template <class T> inline T kda_emu_shfl(T v, int src_of_lane(int lane, int arg)
     static_assert(sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");
     const int tid = (int)threadIdx.x, warp = tid / 32, lane = tid % 32;
     uint64_t slot = 0;
+    std::vector<uint64_t> &x = kda_emu_state->xchg[kda_emu_wops++ & 1];
     memcpy(&slot, &v, sizeof(T));
-    kda_emu_state->xchg[tid] = slot;
+    x[tid] = slot;
     kda_emu_state->warp[warp]->arrive_and_wait();
     const int src = src_of_lane(lane, arg);
-    slot = kda_emu_state->xchg[warp * 32 + (src & 31)];
-    kda_emu_state->warp[warp]->arrive_and_wait();
+    slot = x[warp * 32 + (src & 31)];
     T r;
     memcpy(&r, &slot, sizeof(T));
     return r;
@@ -211,12 +233,13 @@ inline float kda_emu_half(uint32_t reg, int hi, bool bf16) {
 }
 inline void kda_emu_mma16816(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4], bool bf16) {
     const int tid = (int)threadIdx.x, warp = tid / 32, lane = tid % 32;
-    uint32_t *mine = &kda_emu_state->mma[(size_t)tid * 10];
+    std::vector<uint32_t> &m = kda_emu_state->mma[kda_emu_wops++ & 1];
+    uint32_t *mine = &m[(size_t)tid * 10];
     for (int i = 0; i < 4; i++) mine[i] = a[i];
     mine[4] = b[0]; mine[5] = b[1];
     for (int i = 0; i < 4; i++) memcpy(&mine[6 + i], &c[i], 4);
     kda_emu_state->warp[warp]->arrive_and_wait();
-    const uint32_t *w = &kda_emu_state->mma[(size_t)warp * 32 * 10];
+    const uint32_t *w = &m[(size_t)warp * 32 * 10];
     auto A = [&](int row, int k) { return kda_emu_half(w[((row % 8) * 4 + (k % 8) / 2) * 10 + (row >= 8) + 2 * (k >= 8)], k & 1, bf16); };
     auto B = [&](int k, int col) { return kda_emu_half(w[(col * 4 + (k % 8) / 2) * 10 + 4 + (k >= 8)], k & 1, bf16); };
     float out[4];
@@ -226,7 +249,6 @@ inline void kda_emu_mma16816(float d[4], const uint32_t a[4], const uint32_t b[2
         for (int k = 0; k < 16; k++) acc += A(row, k) * B(k, col);
         out[i] = acc;
     }
-    kda_emu_state->warp[warp]->arrive_and_wait();
     for (int i = 0; i < 4; i++) d[i] = out[i];
 }
 
@@ -262,10 +284,11 @@ inline void kda_emu_check_align16(const void *dst, const void *src) {
 inline void kda_emu_ldmatrix(uint32_t r[4], const void *row, bool trans) {
     const int tid = (int)threadIdx.x, warp = tid / 32, lane = tid % 32;
     kda_emu_check_align16(row, nullptr);
-    kda_emu_state->xchg[tid] = (uint64_t)(uintptr_t)row;
+    std::vector<uint64_t> &x = kda_emu_state->xchg[kda_emu_wops++ & 1];
+    x[tid] = (uint64_t)(uintptr_t)row;
     kda_emu_state->warp[warp]->arrive_and_wait();
     auto at = [&](int m, int rr, int c) { // element (row rr, column c) of matrix m
-        const uint16_t *p = (const uint16_t *)(uintptr_t)kda_emu_state->xchg[warp * 32 + 8 * m + rr];
+        const uint16_t *p = (const uint16_t *)(uintptr_t)x[warp * 32 + 8 * m + rr];
         return (uint32_t)p[c];
     };
     uint32_t out[4];
@@ -273,7 +296,7 @@ inline void kda_emu_ldmatrix(uint32_t r[4], const void *row, bool trans) {
         const int a = lane / 4, b = 2 * (lane % 4);
         out[m] = trans ? (at(m, b, a) | at(m, b + 1, a) << 16) : (at(m, a, b) | at(m, a, b + 1) << 16);
     }
-    kda_emu_state->warp[warp]->arrive_and_wait();
+    kda_emu_state->warp[warp]->arrive_and_wait(); // (its reads of shared memory end before any lane goes on, as on a GPU)
     for (int m = 0; m < 4; m++) r[m] = out[m];
 }
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
@@ -301,16 +324,15 @@ inline void kda_emu_launch(void (*kernel)(const P), kda_emu_dim3 grid, unsigned 
                            unsigned cluster = 1, int axis = 0) {
     std::vector<kda_emu_block> st(cluster);
     for (kda_emu_block &b : st) {
-        b.block = std::make_unique<std::barrier<>>((std::ptrdiff_t)threads);
+        b.block = std::make_unique<kda_emu_barrier>((int)threads);
         for (unsigned w = 0; w < (threads + 31) / 32; w++) {
             unsigned n = threads - 32 * w < 32 ? threads - 32 * w : 32;
-            b.warp.push_back(std::make_unique<std::barrier<>>((std::ptrdiff_t)n));
+            b.warp.push_back(std::make_unique<kda_emu_barrier>((int)n));
         }
-        b.xchg.assign(threads + 32, 0);
-        b.mma.assign((size_t)(threads + 32) * 10, 0);
+        for (int i = 0; i < 2; i++) b.xchg[i].assign(threads + 32, 0), b.mma[i].assign((size_t)(threads + 32) * 10, 0);
     }
     kda_emu_cluster cl;
-    cl.all = std::make_unique<std::barrier<>>((std::ptrdiff_t)(threads * cluster));
+    cl.all = std::make_unique<kda_emu_barrier>((int)(threads * cluster));
     cl.smem.assign(cluster, std::vector<unsigned char>(smem));
     kda_emu_cl = &cl;
     blockDim.x = threads; blockDim.y = blockDim.z = 1;
