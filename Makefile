@@ -70,12 +70,14 @@ cubins: $(BUILD)/kda-aot
 demo: $(BUILD)/demo
 	./$(BUILD)/demo
 
-test: deps $(TOOLS) $(UNITS) $(BUILD)/test_gpu_stages $(BUILD)/test_jit $(BUILD)/kda-aot
-	CC="$(CC)" CXX="$(CXX)" tests/run_tests.sh $(BUILD)
+test: deps $(TOOLS) $(UNITS) $(BUILD)/test_gpu_stages $(BUILD)/test_jit $(BUILD)/kda-aot $(BUILD)/libkda.so
+	CC="$(CC)" CXX="$(CXX)" PYTHON="$(PYTHON)" tests/run_tests.sh $(BUILD)
 
-# Jinja2 for the generator check (the library itself needs no Python)
+# Jinja2 for the generator check, numpy for compare_fla.py's CPU check of its ctypes mirrors
+# (the library itself needs no Python)
 deps:
 	@$(PYTHON) -c "import jinja2" 2>/dev/null || $(PYTHON) -m pip install -q -r gen/requirements.txt
+	@$(PYTHON) -c "import numpy" 2>/dev/null || $(PYTHON) -m pip install -q numpy
 
 # The same programs under AddressSanitizer and UndefinedBehaviorSanitizer.
 SAN_FLAGS = -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all

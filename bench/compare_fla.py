@@ -3,7 +3,7 @@
 
 On a machine with a GPU, PyTorch, Triton and flash-linear-attention 0.6.0:
     make build/libkda.so
-    python3 bench/compare_fla.py [--safe-gate] [--fp16] [--out results.md] [--peak-gbps 4300]
+    python3 bench/compare_fla.py [--safe-gate | --kimi-gate] [--fp16] [--out results.md] [--peak-gbps 4300]
 For each shape of ANCHORS.md (plus one varlen case) it runs both, prints the error
 ratio RMS(kda - FLA) / RMS(FLA) of o and of the final state, times both forwards with
 triton.testing.do_bench (median, warmup 25 ms, rep 100 ms) and prints a table with the
@@ -139,14 +139,14 @@ class Ctx:
 
 
 def make_problem(B, T, H, HV, K, V, dtype, g_dtype, beta_dtype, chunk=64, safe_gate=0, num_seqs=0,
-                 seqlens_type=KDA_INDEX_I64):
+                 seqlens_type=KDA_INDEX_I64, gate=KDA_GATE_NONE):
     p = KdaProblem()
     p.B, p.T, p.H, p.HV, p.K, p.V = B, T, H, HV, K, V
     p.dtype, p.g_dtype, p.beta_dtype = dtype, g_dtype, beta_dtype
     p.chunk_size = chunk
     p.scale = 0.0                      # K^-0.5
     p.qk_l2norm = 1
-    p.gate = KDA_GATE_NONE             # g is the precomputed log decay
+    p.gate = gate                      # KDA_GATE_NONE: g is the precomputed log decay
     p.lower_bound = 0.0
     p.beta_sigmoid = 0
     p.allow_neg_eigval = 0
@@ -224,13 +224,19 @@ def selftest_cpu(args):
     def logsigmoid(x):
         return -np.logaddexp(0.0, -x)
 
-    def run(name, B, T, H, HV, K, V, chunk, dt, cu=None, safe=0, tol=1e-4):
+    def run(name, B, T, H, HV, K, V, chunk, dt, cu=None, safe=0, tol=1e-4, kimi=False):
         nonlocal ok
         N = B if cu is None else len(cu) - 1
         q = rng.standard_normal((B, T, H, K)).astype(np.float32)
         k = rng.standard_normal((B, T, H, K)).astype(np.float32)
         v = rng.standard_normal((B, T, HV, V)).astype(np.float32)
         g = logsigmoid(rng.standard_normal((B, T, HV, K))).astype(np.float32)
+        graw = A_log = dt_bias = None
+        if kimi:  # the library gets the raw gate, the reference its decay (--kimi-gate's initialisation)
+            graw = rng.standard_normal((B, T, HV, K)).astype(np.float32)
+            A_log = np.log(rng.uniform(1.0, 16.0, HV)).astype(np.float32)
+            dt_bias = np.log(np.expm1(np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), HV * K)))).astype(np.float32)
+            g = (-np.exp(A_log.astype(np.float64))[:, None] * np.logaddexp(0.0, graw + dt_bias.reshape(HV, K))).astype(np.float32)
         if safe:
             g = np.clip(g * 3, -5, 0).astype(np.float32)
         beta = (1 / (1 + np.exp(-rng.standard_normal((B, T, HV))))).astype(np.float32)
@@ -244,10 +250,12 @@ def selftest_cpu(args):
             o = np.zeros((B, T, HV, V), np.float32)
         ht = np.zeros((N, HV, K, V), np.float32)
         p = make_problem(B, T, H, HV, K, V, dt, KDA_F32, dt, chunk=chunk, safe_gate=safe,
-                         num_seqs=0 if cu is None else N)
+                         num_seqs=0 if cu is None else N, gate=KDA_GATE_SOFTPLUS if kimi else KDA_GATE_NONE)
         cu_arr = None if cu is None else np.asarray(cu, dtype=np.int64)
         inp = KdaInputs()
-        inp.q, inp.k, inp.v, inp.g, inp.beta, inp.h0 = (a.ctypes.data for a in (q_, k_, v_, g, b_, h0))
+        inp.q, inp.k, inp.v, inp.g, inp.beta, inp.h0 = (a.ctypes.data for a in (q_, k_, v_, g if graw is None else graw, b_, h0))
+        if kimi:
+            inp.A_log, inp.dt_bias = A_log.ctypes.data, dt_bias.ctypes.data
         if cu_arr is not None:
             inp.cu_seqlens = inp.cu_seqlens_host = cu_arr.ctypes.data
         out = KdaFwdOutputs()
@@ -270,6 +278,7 @@ def selftest_cpu(args):
     run("fp32 B1 T100 H2 K32 V16 chunk64", 1, 100, 2, 2, 32, 16, 64, KDA_F32)
     run("bf16 varlen [0,13,50,70] H2 K32 V16 safe", 1, 70, 2, 2, 32, 16, 32, KDA_BF16,
         cu=[0, 13, 50, 70], safe=1, tol=1e-2)
+    run("fp32 B1 T90 H2 K32 V16 softplus gate (Kimi)", 1, 90, 2, 2, 32, 16, 32, KDA_F32, kimi=True)
     ctx.close()
     print("selftest-cpu:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
@@ -354,6 +363,10 @@ def main_gpu(args):
     kdt = KDA_F16 if args.fp16 else KDA_BF16
     dname = "fp16" if args.fp16 else "bf16"
     safe = bool(args.safe_gate)
+    kimi = bool(args.kimi_gate)
+    if safe and kimi:
+        print("error: --safe-gate and --kimi-gate are two different gates; give one", file=sys.stderr)
+        return 2
 
     cases = [("fixed", s) for s in SHAPES] + ([] if args.no_varlen else [("varlen", VARLEN)])
     if args.only:
@@ -377,7 +390,14 @@ def main_gpu(args):
         q = torch.randn(B, T, H, K, dtype=tdt, device=dev)
         k = torch.randn(B, T, H, K, dtype=tdt, device=dev)
         v = torch.randn(B, T, HV, V, dtype=tdt, device=dev)
-        g = F.logsigmoid(torch.randn(B, T, HV, K, dtype=torch.float32, device=dev))
+        A_log = dt_bias = None
+        if kimi:  # the raw gate input; both compute -exp(A_log) softplus(g + dt_bias) in the kernel
+            g = torch.randn(B, T, HV, K, dtype=torch.float32, device=dev)
+            A_log = torch.empty(HV, dtype=torch.float32, device=dev).uniform_(1.0, 16.0).log_()
+            dt = torch.empty(HV * K, dtype=torch.float32, device=dev).uniform_(math.log(1e-3), math.log(1e-1)).exp_()
+            dt_bias = torch.expm1(dt).log_()
+        else:
+            g = F.logsigmoid(torch.randn(B, T, HV, K, dtype=torch.float32, device=dev))
         if safe:
             g = g.clamp_(-5.0, 0.0)
         beta = torch.sigmoid(torch.randn(B, T, HV, dtype=torch.float32, device=dev)).to(tdt)
@@ -390,9 +410,12 @@ def main_gpu(args):
         ht_kda = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
 
         p = make_problem(B, T, H, HV, K, V, kdt, KDA_F32, kdt, chunk=64, safe_gate=int(safe),
-                         num_seqs=0 if cu is None else N, seqlens_type=KDA_INDEX_I64)
+                         num_seqs=0 if cu is None else N, seqlens_type=KDA_INDEX_I64,
+                         gate=KDA_GATE_SOFTPLUS if kimi else KDA_GATE_NONE)
         inp = KdaInputs()
         inp.q, inp.k, inp.v, inp.g, inp.beta, inp.h0 = (t.data_ptr() for t in (q, k, v, g, beta, h0))
+        if kimi:
+            inp.A_log, inp.dt_bias = A_log.data_ptr(), dt_bias.data_ptr()
         if cu is not None:
             inp.cu_seqlens = cu_dev.data_ptr()
             inp.cu_seqlens_host = cu_cpu.data_ptr()   # host copy: no read-back, no stream wait
@@ -423,6 +446,8 @@ def main_gpu(args):
                       cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu)
         if safe:
             fla_kw.update(safe_gate=True, lower_bound=-5.0)
+        if kimi:
+            fla_kw.update(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
 
         def run_fla():
             return chunk_kda(q, k, v, g, beta, **fla_kw)
@@ -482,11 +507,15 @@ def main_gpu(args):
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     peak_s = f"{peak / 1e12:.2f} TB/s" if peak else "unknown"
     head = [
-        f"# kda vs FLA chunk_kda, forward ({dname}{', safe_gate' if safe else ''})",
+        f"# kda vs FLA chunk_kda, forward ({dname}{', safe_gate' if safe else ''}{', Kimi-init gates' if kimi else ''})",
         "",
         f"Device: {dev_name}. Date: {date}. Commit: {commit}. torch {torch.__version__}, triton "
         f"{triton.__version__}, FLA {fla_version}.",
-        f"Inputs: {dname} q/k/v randn, g = logsigmoid(randn) fp32{' clamped to [-5, 0]' if safe else ''}, "
+        (f"Inputs: {dname} q/k/v randn, g = randn fp32 through the softplus gate in the kernel, "
+         f"-exp(A_log) softplus(g + dt_bias), with Kimi Linear's initialisation: A_log = log U(1, 16) a head, "
+         f"dt_bias = log(expm1(dt)), dt = exp U(log 1e-3, log 1e-1) a channel (FLA use_gate_in_kernel=True, "
+         f"kda KDA_GATE_SOFTPLUS), " if kimi else
+         f"Inputs: {dname} q/k/v randn, g = logsigmoid(randn) fp32{' clamped to [-5, 0]' if safe else ''}, ") +
         f"beta = sigmoid(randn) {dname}, l2norm in kernel, fp32 h0 and ht, chunk 64"
         f"{', FLA safe_gate=True lower_bound=-5, kda safe_gate=1' if safe else ''}.",
         f"Timing: triton.testing.do_bench median (warmup 25, rep 100), forward only. Error ratio: "
@@ -527,6 +556,9 @@ def main():
                     help="no GPU: check the struct mirrors and run kda_chunk_fwd on the CPU against numpy")
     ap.add_argument("--safe-gate", action="store_true",
                     help="g clamped to [-5, 0]; FLA safe_gate=True lower_bound=-5; kda safe_gate=1")
+    ap.add_argument("--kimi-gate", action="store_true",
+                    help="the softplus gate in both kernels on raw g = randn, with Kimi Linear's A_log and "
+                         "dt_bias initialisation (slow channels: the split shapes take kda's exact split)")
     ap.add_argument("--fp16", action="store_true", help="q, k, v, beta, o in fp16 instead of bf16")
     ap.add_argument("--out", help="also write the table as markdown to this file")
     ap.add_argument("--commit", help="commit to print when `git rev-parse` is not available")

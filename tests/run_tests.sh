@@ -50,7 +50,15 @@ if [ -z "${KDA_QUICK:-}" ]; then
     if [ -z "$p" ]; then bad "test_jit.sh did not finish"; echo "$out" | tail -n 20; else pass=$((pass + p)); fail=$((fail + f)); fi
 fi
 
-# 4. Every reference case, every dtype and chunk size (kda-case prints PASS/FAIL last).
+# 4. bench/compare_fla.py's ctypes mirrors of kda.h's structs and its inputs (the softplus
+#    gate's A_log and dt_bias among them), through the CPU backend against numpy: what the
+#    GPU comparison with FLA relies on, checked where there is no GPU.
+if [ -z "${KDA_QUICK:-}" ]; then
+    out=$(${PYTHON:-python3} bench/compare_fla.py --lib "$build/libkda.so" --selftest-cpu 2>&1)
+    if [ "$(echo "$out" | tail -n 1)" = "selftest-cpu: PASS" ]; then ok; else bad "compare_fla.py --selftest-cpu"; echo "$out" | tail -n 20; fi
+fi
+
+# 5. Every reference case, every dtype and chunk size (kda-case prints PASS/FAIL last).
 if [ ! -d "$cases" ]; then
     bad "reference cases not found at $cases (set KDA_CASES)"
 else
