@@ -3208,8 +3208,14 @@ static const kda__kdesc *kda__fused_like(const char *stage, const kda__kdesc *k)
     }
     return NULL;
 }
-/* Value column blocks of fused kernel k */
+/* Value column blocks of fused kernel k, and the K identity column blocks of its transition pass */
 static long long kda__fused_vblocks(const kda__kdesc *k, const kda_problem *p) { return (p->V + k->bv - 1) / k->bv; }
+/* Whether the column blocks of fused kernel k pair up: its value blocks, or (trans) the exact
+ * split's transition pass's value and identity blocks */
+static long long kda__fused_kblocks(const kda__kdesc *k, const kda_problem *p) { return (p->K + k->bv - 1) / k->bv; }
+static int kda__fused_even(const kda__kdesc *k, const kda_problem *p, int trans) {
+    return (kda__fused_vblocks(k, p) + (trans ? kda__fused_kblocks(k, p) : 0)) % 2 == 0;
+}
 /* The pairs twin of fwd_fused or fwd_fused_bounded kernel k (128 columns only), or NULL */
 static const kda__kdesc *kda__fused_pairs_of(const kda__kdesc *k) {
     return kda__fused_like(strcmp(k->stage, "fwd_fused") ? "fwd_fused_bounded_pairs" : "fwd_fused_pairs", k);
@@ -3217,7 +3223,8 @@ static const kda__kdesc *kda__fused_pairs_of(const kda__kdesc *k) {
 
 /* Indices of the kernels a forward, backward and decode of p use (the fused forward's
  * with each value tile: kda__fused_variant picks one by the sequence lengths; and their pairs
- * kernels where V takes an even number of 128-column blocks, which Hopper runs). */
+ * kernels where V, or V and K in the exact split's transition pass, take an even number of
+ * 128-column blocks, which Hopper runs). */
 int kda_kernels_needed(kda_context *ctx, const kda_problem *p, int *idx, int max) {
     /* the fused forward's stages last: problems it does not cover leave them out (and the
      * bounded split, problems without the in-kernel l2norm) */
@@ -3239,7 +3246,7 @@ int kda_kernels_needed(kda_context *ctx, const kda_problem *p, int *idx, int max
              j++) { /* its other value tiles, and the pairs kernels */
             const kda__kdesc *o = &kda__kernels[j], *tw;
             if (!kda__fused_sibling(o, k)) continue;
-            tw = kda__fused_vblocks(o, p) % 2 == 0 ? kda__fused_pairs_of(o) : NULL;
+            tw = kda__fused_even(o, p, 0) || (stages[i] == KDA__STAGE_FWD_FUSED && kda__fused_even(o, p, 1)) ? kda__fused_pairs_of(o) : NULL;
             if (o != k && n < max && idx) idx[n] = j;
             n += o != k;
             if (tw && n < max && idx) idx[n] = (int)(tw - kda__kernels);
@@ -3526,7 +3533,6 @@ static const kda__kdesc *kda__fused_wanted(kda_context *ctx, const kda_problem *
 
 /* Column blocks of fwd_fused kernel k: value blocks (kda__fused_vblocks, above); a
  * transition pass adds K identity columns in blocks of the same width. */
-static long long kda__fused_kblocks(const kda__kdesc *k, const kda_problem *p) { return (p->K + k->bv - 1) / k->bv; }
 
 /* ---- the fused forward's plan: every sequence cut into pieces (segments) of whole 16-token
  * chunks, and the order in which their blocks launch */
@@ -3656,24 +3662,39 @@ static long long kda__fz_run(const long long *len, long long np, const int *f, c
     return ce - (warm >= 0 && !*first ? (cb > warm ? cb - warm : 0) : cb);
 }
 
+/* The pairs kernel (fwd_fused.cu.j2's PAIRS: the two column blocks of a piece and value head
+ * each build half the chunks' factors and copy them to the other) of fwd_fused or
+ * fwd_fused_bounded kernel k, where p and the device take it: on Hopper, 128 columns, an even
+ * number of column blocks (V = 256; trans: the exact split's transition pass, whose value and
+ * identity blocks pair at K = V = 128). Else NULL. KDA_FUSED_PAIRS=0 turns pairs off.
+ * KDA__PAIR_COST: a chunk's time in pairs against 128 columns unpaired, 0.84-0.89 on an H100
+ * (B8 T4096 H16 V256 0.680 ms against 0.809, B2 T8192 H16 V256 0.368 against 0.416; 2026-11-26). */
+#define KDA__PAIR_COST 0.87
+static const kda__kdesc *kda__fused_pairs(kda_context *ctx, const kda__kdesc *k, const kda_problem *p, int trans) {
+    const kda__kdesc *kp = kda__fused_pairs_of(k);
+    const int optin = ctx->dev && ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
+    if (!kp || !ctx->dev || !ctx->dev->pairs || !ctx->dev->pairs(ctx) || !kda__fused_even(k, p, trans)) return NULL;
+    return (optin <= 0 || kp->smem <= optin) && kda__env_int("KDA_FUSED_PAIRS", 1) > 0 ? kp : NULL;
+}
+
 /* The model's time of the pieces: the bounded split (warm >= 0) runs each piece once, piece
  * s > 0 with its warm-up, plus KDA__FZ_CHECK chunks for fwd_bound's check of the warm-ups and
  * the exact passes' launches, which end at once where every bound held (an estimate: four
  * launches of a few microseconds). The exact split runs a transition pass of every piece but
  * a sequence's last (V and K column blocks; V only for piece 0, which also writes its
- * output), then an output pass of the pieces after the first, and of the sequences of one
- * piece. */
+ * output, but where they go in pairs at tcost > 0 a chunk's time), then an output pass of the
+ * pieces after the first, and of the sequences of one piece. */
 #define KDA__FZ_CHECK 8.0
 #define KDA__COMBINE_COLS 32 /* state columns a block of fwd_combine (its template's R) */
 static double kda__fz_time(const kda_problem *p, const kda__kdesc *kf, const long long *len, long long np, const int *f,
-                           const int *q, long long warm, int sms, kda__blocks *b1, kda__blocks *b0, double *h) {
+                           const int *q, long long warm, double tcost, int sms, kda__blocks *b1, kda__blocks *b0, double *h) {
     long long nvb = kda__fused_vblocks(kf, p), nkb = kda__fused_kblocks(kf, p), i, n0 = 0, n1 = 0, split = 0;
     for (i = 0; i < np; i++) {
         int s0, last;
         double d = (double)kda__fz_run(len, np, f, q, i, warm, &s0, &last) + 12.0;
         split |= !(s0 && last);
         if (warm >= 0 || (s0 && last) || !s0) b0[n0].d = d, b0[n0++].n = nvb * p->HV;
-        if (warm < 0 && !last) b1[n1].d = d, b1[n1++].n = (s0 ? nvb : nvb + nkb) * p->HV;
+        if (warm < 0 && !last) b1[n1].d = tcost > 0 ? d * tcost : d, b1[n1++].n = (s0 && tcost <= 0 ? nvb : nvb + nkb) * p->HV;
     }
     return kda__launch_time(b0, n0, sms, h) + (n1 ? kda__launch_time(b1, n1, sms, h) : 0.0) +
            (warm >= 0 && split ? KDA__FZ_CHECK : 0.0);
@@ -3692,6 +3713,7 @@ static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const 
     const char *env = getenv("KDA_SEGMENTS");
     long long maxnch, i, lo, hi = 64, np, next, nseg, room, per = kda__fused_vblocks(kf, p) * p->HV;
     int sms = ctx->dev->sm_count ? ctx->dev->sm_count(ctx) : 0, *f, *q;
+    const double tcost = warm < 0 && kda__fused_pairs(ctx, kf, p, 1) ? KDA__PAIR_COST : 0.0; /* a paired transition pass */
     kda__blocks *b;
     double *h, t;
     char *mem;
@@ -3722,7 +3744,7 @@ static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const 
             (next * per + sms - 1) / sms == (np * per + sms - 1) / sms)
             continue; /* the next has as many waves (the exact split's transition pass has more blocks: all are timed) */
         np = kda__fz_pieces(len, nseq, maxnch, i, warm, f, q, &nseg);
-        t = kda__fz_time(p, kf, len, np, f, q, warm, sms, b, b + room, h);
+        t = kda__fz_time(p, kf, len, np, f, q, warm, tcost, sms, b, b + room, h);
         if (i == lo || t < pl->time * 0.97) pl->cand = i, pl->time = t, pl->np = np, pl->nseg = nseg;
     }
     pl->each = kda__fz_each(maxnch, kda__fz_sn(maxnch, maxnch, pl->cand), warm); /* (fixed lengths: all the longest) */
@@ -3759,27 +3781,13 @@ static kda_status kda__fused_table(kda_context *ctx, const kda_problem *p, const
     return KDA_OK;
 }
 
-/* The pairs kernel (fwd_fused.cu.j2's PAIRS: the two column blocks of a piece and value head
- * each build half the chunks' factors and copy them to the other) of fwd_fused or
- * fwd_fused_bounded kernel k, where p and the device take it: on Hopper, 128 columns, an even
- * number of column blocks (V = 256). Else NULL. KDA_FUSED_PAIRS=0 turns pairs off.
- * KDA__PAIR_COST: a chunk's time in pairs against 128 columns unpaired, 0.84-0.89 on an H100
- * (B8 T4096 H16 V256 0.680 ms against 0.809, B2 T8192 H16 V256 0.368 against 0.416; 2026-11-26). */
-#define KDA__PAIR_COST 0.87
-static const kda__kdesc *kda__fused_pairs(kda_context *ctx, const kda__kdesc *k, const kda_problem *p) {
-    const kda__kdesc *kp = kda__fused_pairs_of(k);
-    const int optin = ctx->dev && ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
-    if (!kp || !ctx->dev || !ctx->dev->pairs || !ctx->dev->pairs(ctx) || kda__fused_vblocks(k, p) % 2 != 0) return NULL;
-    return (optin <= 0 || kp->smem <= optin) && kda__env_int("KDA_FUSED_PAIRS", 1) > 0 ? kp : NULL;
-}
-
 /* A chunk's time in fwd_fused kernel k relative to the 128-column kernel: the 64-column
  * one took 1.56 us a chunk on an H100 where the 128-column one takes 1.94 (B1 T8192 H32,
  * unsplit, 2026-11-22, with two factor groups). Not refitted for its three groups: a sweep
  * of tiles x 1..16 segments after them (H100, bench/RESULTS.md) found the model's picks
  * the fastest on B1 T8192 H32, B1 T65536 H16, V=256 and the varlen batch. */
 static double kda__fused_chunk_cost(kda_context *ctx, const kda__kdesc *k, const kda_problem *p) {
-    return k->bv <= 64 ? 0.8 : kda__fused_pairs(ctx, k, p) ? KDA__PAIR_COST : 1.0; /* (only 128 columns pair) */
+    return k->bv <= 64 ? 0.8 : kda__fused_pairs(ctx, k, p, 0) ? KDA__PAIR_COST : 1.0; /* (only 128 columns pair) */
 }
 
 /* The value tile: kf (kda__fused_wanted's pick) or a sibling with another, where the model
@@ -3937,7 +3945,8 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     kda__fz_plan pl, pe;
     kda__kparams a;
     kda_status s;
-    const kda__kdesc *pairs, *pairs_b; /* kf's pairs kernel and its bounded one, where the column blocks go in pairs */
+    const kda__kdesc *pairs, *pairs_b, *pairs_t; /* kf's pairs kernel and its bounded one, where the column blocks go in
+                                                  * pairs, and the transition pass's (value and identity blocks) */
     if (!kc || !kb) return KDA_ERROR_UNSUPPORTED;
     if (kda__fz_maxnch(c->s.len, N) == 0) return KDA_OK;
     /* a caller's workspace bounds the pieces */
@@ -3946,8 +3955,8 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     kf = kda__fused_memo(ctx, p, kf, c->s.len, N, cap, warm, &pl, &pe, &s);
     if (s) return s;
     nvb = kda__fused_vblocks(kf, p);
-    pairs = kda__fused_pairs(ctx, kf, p);
-    pairs_b = pairs && warm >= 0 ? kda__fused_pairs(ctx, kda__fused_bounded(kf), p) : NULL;
+    pairs = kda__fused_pairs(ctx, kf, p, 0);
+    pairs_b = pairs && warm >= 0 ? kda__fused_pairs(ctx, kda__fused_bounded(kf), p, 0) : NULL;
     if (!pairs_b && warm >= 0) pairs = NULL; /* (both passes in pairs, or neither) */
     if (pl.np <= N) pe = pl; /* no split: whole sequences in the output pass */
     if (pl.np > N) bf = (size_t)pl.np * flags;
@@ -3991,10 +4000,11 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     if (pe.np > N) {
         a.fz_trans = (float *)KDA__FZ_BUF(bt);
         a.fz_start = (float *)KDA__FZ_BUF(bs);
-        a.fz_mode = 1; /* segment transitions (not in pairs: nvb + nkb column blocks) */
+        a.fz_mode = 1; /* segment transitions: nvb + nkb column blocks, in pairs where they pair */
         ncb = nvb + kda__fused_kblocks(kf, p);
         KDA__FZ_GRID(pe, ncb);
-        if ((s = kda__chain_launch(ctx, &chained, kf, grid, &a))) goto done;
+        pairs_t = kda__fused_pairs(ctx, kf, p, 1);
+        if ((s = kda__chain_launch(ctx, &chained, pairs_t ? pairs_t : kf, grid, &a))) goto done;
         grid[0] = (unsigned)N; grid[1] = (unsigned)p->HV; grid[2] = (unsigned)((p->V + KDA__COMBINE_COLS - 1) / KDA__COMBINE_COLS);
         if ((s = kda__chain_launch(ctx, &chained, kc, grid, &a))) goto done;
     }
