@@ -3208,11 +3208,12 @@ static const kda__kdesc *kda__fused_like(const char *stage, const kda__kdesc *k)
     }
     return NULL;
 }
-/* Value column blocks of fused kernel k, and the K identity column blocks of its transition pass */
+/* Value column blocks of fused kernel k, and the K identity column blocks (of the same width)
+ * that the exact split's transition pass adds */
 static long long kda__fused_vblocks(const kda__kdesc *k, const kda_problem *p) { return (p->V + k->bv - 1) / k->bv; }
-/* Whether the column blocks of fused kernel k pair up: its value blocks, or (trans) the exact
- * split's transition pass's value and identity blocks */
 static long long kda__fused_kblocks(const kda__kdesc *k, const kda_problem *p) { return (p->K + k->bv - 1) / k->bv; }
+/* Whether the column blocks of fused kernel k pair up: its value blocks, or (trans) the
+ * transition pass's value and identity blocks */
 static int kda__fused_even(const kda__kdesc *k, const kda_problem *p, int trans) {
     return (kda__fused_vblocks(k, p) + (trans ? kda__fused_kblocks(k, p) : 0)) % 2 == 0;
 }
@@ -3531,9 +3532,6 @@ static const kda__kdesc *kda__fused_wanted(kda_context *ctx, const kda_problem *
     return k;
 }
 
-/* Column blocks of fwd_fused kernel k: value blocks (kda__fused_vblocks, above); a
- * transition pass adds K identity columns in blocks of the same width. */
-
 /* ---- the fused forward's plan: every sequence cut into pieces (segments) of whole 16-token
  * chunks, and the order in which their blocks launch */
 
@@ -3681,9 +3679,9 @@ static const kda__kdesc *kda__fused_pairs(kda_context *ctx, const kda__kdesc *k,
  * s > 0 with its warm-up, plus KDA__FZ_CHECK chunks for fwd_bound's check of the warm-ups and
  * the exact passes' launches, which end at once where every bound held (an estimate: four
  * launches of a few microseconds). The exact split runs a transition pass of every piece but
- * a sequence's last (V and K column blocks; V only for piece 0, which also writes its
- * output, but where they go in pairs at tcost > 0 a chunk's time), then an output pass of the
- * pieces after the first, and of the sequences of one piece. */
+ * a sequence's last (V and K column blocks, V only for piece 0, which also writes its output;
+ * where they pair, tcost > 0, V and K for every piece at tcost of a chunk's time), then an
+ * output pass of the pieces after the first, and of the sequences of one piece. */
 #define KDA__FZ_CHECK 8.0
 #define KDA__COMBINE_COLS 32 /* state columns a block of fwd_combine (its template's R) */
 static double kda__fz_time(const kda_problem *p, const kda__kdesc *kf, const long long *len, long long np, const int *f,
