@@ -34,31 +34,26 @@ struct kda_emu_dim3 { unsigned x = 1, y = 1, z = 1; };
 inline thread_local kda_emu_dim3 threadIdx, blockIdx;
 inline kda_emu_dim3 blockDim, gridDim;
 
-// A named barrier on atomics. Its state exists before the block's threads start and its
-// first use fixes its thread count by a relaxed exchange, so that using it orders only what
-// bar.sync / bar.arrive order on a GPU: the arrivals before a bar.sync's release. (Made on
-// first use under a mutex, it ordered, for ThreadSanitizer, everything any thread did before
-// one barrier before everything another did after the next, and hid a race: 53c4c1e.)
-struct kda_emu_named {
-    std::atomic<int> n{0}, arrived{0};
-    std::atomic<unsigned> phase{0};
-};
-// A barrier of n threads: a count and a phase, the waiters asleep on the phase (std::barrier's
-// tree of arrivals cost more with hundreds of threads on few cores)
+// A barrier on atomics: a count of arrivals and a phase, the waiters asleep on the phase
+// (std::barrier's tree of arrivals cost more with hundreds of threads on few cores). The last
+// of n arrivals (acquiring every earlier one through the count) ends the phase; a waiter
+// acquires that. A thread's next arrival follows the phase it took part in, so the phase it
+// reads first cannot end before its arrival. n: the block's or a warp's threads, fixed; a named
+// barrier's, fixed by its first use (kda_emu_bar).
 struct kda_emu_barrier {
-    explicit kda_emu_barrier(int n) : n(n), left(n) {}
-    void arrive_and_wait() {
-        const unsigned ph = phase.load(std::memory_order_relaxed); // (cannot end before this arrival)
-        if (left.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-            left.store(n, std::memory_order_relaxed);
+    explicit kda_emu_barrier(int n = 0) : n(n) {}
+    void arrive(int count, bool wait) {
+        const unsigned ph = phase.load(std::memory_order_relaxed);
+        if (arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == count) {
+            arrived.store(0, std::memory_order_relaxed);
             phase.fetch_add(1, std::memory_order_release);
             phase.notify_all();
-        } else {
+        } else if (wait) {
             while (phase.load(std::memory_order_acquire) == ph) phase.wait(ph, std::memory_order_acquire);
         }
     }
-    const int n;
-    std::atomic<int> left;
+    void arrive_and_wait() { arrive(n.load(std::memory_order_relaxed), true); }
+    std::atomic<int> n, arrived{0};
     std::atomic<unsigned> phase{0};
 };
 struct kda_emu_block {
@@ -70,7 +65,12 @@ struct kda_emu_block {
     // warp barrier, not two (the emulator's time is mostly these barriers)
     std::vector<uint64_t> xchg[2]; // one slot per thread
     std::vector<uint32_t> mma[2];  // 10 words per thread: the fragments of one mma
-    kda_emu_named named[16];                    // bar.sync / bar.arrive
+    // bar.sync / bar.arrive. Their state exists before the block's threads start and a first
+    // use fixes a count by a relaxed exchange, so that using one orders only what bar.sync /
+    // bar.arrive order on a GPU: the arrivals before a bar.sync's release. (Made on first use
+    // under a mutex, it ordered, for ThreadSanitizer, everything any thread did before one
+    // barrier before everything another did after the next, and hid a race: 53c4c1e.)
+    kda_emu_barrier named[16];
     std::atomic<int> red[16][3] = {};           // bar.red.or: one slot per call, three in turn
 };
 inline thread_local kda_emu_block *kda_emu_state; // this thread's block
@@ -167,22 +167,13 @@ inline void kda_emu_bar(int id, int n, bool wait) {
         fprintf(stderr, "cuda_emu: bar %d with %d threads\n", id, n);
         abort();
     }
-    kda_emu_named &b = kda_emu_state->named[id];
+    kda_emu_barrier &b = kda_emu_state->named[id];
     if (!b.n.compare_exchange_strong(earlier, n, std::memory_order_relaxed) && earlier != n) {
         fprintf(stderr, "cuda_emu: bar %d with %d threads (earlier %d)\n", id, n, earlier);
         abort();
     }
-    // the last arrival (acquiring every earlier one through the counter) ends the phase; a
-    // waiter acquires that. A thread's next arrival follows the phase it took part in (the
-    // kernels' protocols: a producer arrives again only after its consumers released it)
-    const unsigned ph = b.phase.load(std::memory_order_relaxed);
-    if (b.arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
-        b.arrived.store(0, std::memory_order_relaxed);
-        b.phase.fetch_add(1, std::memory_order_release);
-        b.phase.notify_all();
-    } else if (wait) {
-        while (b.phase.load(std::memory_order_acquire) == ph) b.phase.wait(ph, std::memory_order_acquire);
-    }
+    // (the kernels' protocols: a producer arrives again only after its consumers released it)
+    b.arrive(n, wait);
 }
 // bar.red.or.pred id, n: bar.sync that returns whether pred held in any thread. Call k
 // of a thread (on this id) ORs into slot k % 3 and clears slot (k + 1) % 3 before it
