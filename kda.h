@@ -137,8 +137,9 @@ const char *kda_status_string(kda_status s);
  * gate over the warm-up; templates/fwd_fused.cu.j2 derives it). Where that bound fails
  * the exact split computes the sequence and head, so no output carries more: a check of
  * the warm-ups runs first, so gates with slow channels (which keep their state over any
- * warm-up) cost the exact split alone. The environment variable KDA_SPLIT=exact always
- * takes the exact split. */
+ * warm-up) cost the exact split alone (varlen: with the sequences short enough to run
+ * whole, which then go with the exact passes). The environment variable KDA_SPLIT=exact
+ * always takes the exact split. */
 void kda_set_workspace(kda_context *ctx, void *ptr, size_t bytes);
 /* CUDA stream (a CUstream) used by every later call; ignored by the CPU backend.
  *
@@ -2127,6 +2128,7 @@ typedef struct kda__kparams {
     int *fz_flags;
     const int *fz_fseq;
     long long fz_fnseg;
+    int *fz_any;
 } kda__kparams;
 
 #define KDA__H2D 0
@@ -3750,8 +3752,11 @@ static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const 
     return KDA_OK;
 }
 
-/* The piece table of plan pl (its candidate): pieces in launch order, longest first (by
- * their chunks, warm-up included). Varlen only (fixed lengths: NULL); kda__free it. */
+/* The piece table of plan pl (its candidate), KDA__FZ_TAB ints: pieces in launch order,
+ * longest first (by their chunks, warm-up included), each piece's sequence and first chunk,
+ * each sequence's first piece and one past the last, and a 0 that fwd_bound may set (the
+ * bounded split's fz_any). Varlen only (fixed lengths: NULL); kda__free it. */
+#define KDA__FZ_TAB(np, nseq) ((size_t)(3 * (np) + (nseq) + 2))
 static kda_status kda__fused_table(kda_context *ctx, const kda_problem *p, const long long *len, long long nseq,
                                    long long warm, kda__fz_plan *pl) {
     long long i, r, nseg;
@@ -3759,7 +3764,7 @@ static kda_status kda__fused_table(kda_context *ctx, const kda_problem *p, const
     int *tab, *f, *q, first, last;
     if (p->num_seqs == 0) return KDA_OK;
     b = (kda__blocks *)kda__alloc(ctx, sizeof(kda__blocks) * (size_t)pl->np);
-    tab = (int *)kda__alloc(ctx, sizeof(int) * (size_t)(3 * pl->np + nseq + 1));
+    tab = (int *)kda__alloc(ctx, sizeof(int) * KDA__FZ_TAB(pl->np, nseq));
     if (!b || !tab) {
         kda__free(ctx, b);
         kda__free(ctx, tab);
@@ -3774,6 +3779,7 @@ static kda_status kda__fused_table(kda_context *ctx, const kda_problem *p, const
         while (r <= q[i]) tab[3 * pl->np + r++] = (int)i; /* the first piece of sequences r..q[i] */
     }
     while (r <= nseq) tab[3 * pl->np + r++] = (int)pl->np;
+    tab[3 * pl->np + nseq + 1] = 0;
     kda__free(ctx, b);
     pl->tab = tab;
     return KDA_OK;
@@ -3819,7 +3825,7 @@ static const kda__kdesc *kda__fused_variant(kda_context *ctx, const kda_problem 
         return NULL;
     }
     if (pl->tab) { /* varlen: both tables in one allocation (pl->tab's), so that one copy uploads them */
-        size_t a = sizeof(int) * (size_t)(3 * pl->np + nseq + 1), b = sizeof(int) * (size_t)(3 * pe->np + nseq + 1);
+        size_t a = sizeof(int) * KDA__FZ_TAB(pl->np, nseq), b = sizeof(int) * KDA__FZ_TAB(pe->np, nseq);
         int *both = (int *)kda__alloc(ctx, a + b);
         if (both) memcpy(both, pl->tab, a), memcpy((char *)both + a, pe->tab, b);
         kda__free(ctx, pl->tab);
@@ -3933,7 +3939,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
      * cut otherwise), and slack the alignment of those four buffers */
     size_t tb = kda__tables_size(p), trans = (size_t)p->HV * (p->V + p->K) * p->K * sizeof(float),
            start = (size_t)p->HV * p->V * p->K * sizeof(float), flags = warm >= 0 ? (size_t)p->HV * sizeof(int) : 0,
-           slack = 1280, fixed = tb + slack + 2 * sizeof(int) * (size_t)(N + 1), bt = 0, bs = 0, bf = 0, tp = 0, te = 0;
+           slack = 1280, fixed = tb + slack + 2 * sizeof(int) * (size_t)(N + 2), bt = 0, bs = 0, bf = 0, tp = 0, te = 0;
     long long cap = LLONG_MAX;
     unsigned grid[3];
     void *ws = NULL;
@@ -3959,8 +3965,8 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     if (pl.np <= N) pe = pl; /* no split: whole sequences in the output pass */
     if (pl.np > N) bf = (size_t)pl.np * flags;
     if (pe.np > N) bt = (size_t)pe.np * trans, bs = (size_t)pe.np * start;
-    if (pl.tab) tp = sizeof(int) * (size_t)(3 * pl.np + N + 1);
-    if (pe.tab && pe.tab != pl.tab) te = sizeof(int) * (size_t)(3 * pe.np + N + 1); /* (right after pl.tab) */
+    if (pl.tab) tp = sizeof(int) * KDA__FZ_TAB(pl.np, N);
+    if (pe.tab && pe.tab != pl.tab) te = sizeof(int) * KDA__FZ_TAB(pe.np, N); /* (right after pl.tab) */
     if (cap < LLONG_MAX) kda__log(ctx, "%s: the caller's workspace holds %lld piece(s)", kf->name, cap);
     kda__log(ctx, "%s: %lld piece(s) for %lld sequence(s), at most %lld a sequence%s%s", kf->name, pl.np, N, pl.nseg,
              pl.np > N && warm >= 0 ? ", bounded split" : "", pairs ? ", column blocks in pairs" : "");
@@ -3987,6 +3993,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     if (pl.np > N && warm >= 0) { /* every piece at once; the exact passes below only where a bound failed */
         a.fz_flags = (int *)KDA__FZ_BUF(bf);
         a.fz_fseq = pl.tab ? a.fz_piece + 3 * pl.np : NULL, a.fz_fnseg = pl.nseg; /* the flags' pieces */
+        a.fz_any = pl.tab ? (int *)a.fz_piece + 3 * pl.np + N + 1 : NULL;       /* (its 0 uploaded with the table) */
         grid[0] = (unsigned)pl.np; grid[1] = (unsigned)p->HV; grid[2] = 1u; /* the warm-ups' bounds first */
         if ((s = kda__chain_launch(ctx, &chained, kb, grid, &a))) goto done;
         a.fz_mode = 2;

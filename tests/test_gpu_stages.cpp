@@ -32,6 +32,7 @@ static_assert(offsetof(KdaParams, scale) == offsetof(kda__kparams, scale), "KdaP
 static_assert(offsetof(KdaParams, Gc) == offsetof(kda__kparams, Gc), "KdaParams layout");
 static_assert(offsetof(KdaParams, dw) == offsetof(kda__kparams, dw), "KdaParams layout");
 static_assert(offsetof(KdaParams, num_slots) == offsetof(kda__kparams, num_slots), "KdaParams layout");
+static_assert(offsetof(KdaParams, fz_any) == offsetof(kda__kparams, fz_any), "KdaParams layout");
 
 // ---- the emulated device: host memory, kernels from kda_emu_kernels ----
 static kda_status emu_alloc(kda_context *, size_t bytes, void **ptr) {
@@ -49,6 +50,7 @@ static int emu_launches, emu_fused, emu_fused_bv, emu_fused_nseg; // fused launc
 static int emu_pairs;                                               // launches of the fused forward's pairs kernels
 static std::vector<int> emu_flags, emu_pieces; // the last bounded split's flags ([piece][HV]: the bound failed) and piece table
 static std::vector<int> emu_warm_flags;         // the flags fwd_bound wrote (the warm-ups alone)
+static int emu_any;                             // and its fz_any (-1: none, fixed lengths)
 static std::vector<unsigned char> emu_o_bounded; // o as the bounded pass left it (emu_o_bytes of it)
 static size_t emu_o_bytes;                       // (0: none copied; a test that sets it clears it after)
 static long long emu_cut[2];                    // and its pieces a sequence and their chunks (fixed lengths)
@@ -104,7 +106,8 @@ static kda_status emu_launch(kda_context *ctx, const kda__kdesc *k, const unsign
             emu_launches++;
             if (pairs) emu_pairs++;
             if (!strcmp(k->stage, "fwd_bound"))
-                emu_warm_flags.assign(a->fz_flags, a->fz_flags + a->fz_npieces * a->HV), emu_warm_sums_of(a);
+                emu_warm_flags.assign(a->fz_flags, a->fz_flags + a->fz_npieces * a->HV), emu_warm_sums_of(a),
+                    emu_any = a->fz_any ? *a->fz_any : -1;
             if (!strcmp(k->stage, "fwd_fused_bounded") || !strcmp(k->stage, "fwd_fused_bounded_pairs"))
                 emu_flags.assign(a->fz_flags, a->fz_flags + a->fz_npieces * a->HV),
                     emu_pieces.assign(a->fz_piece, a->fz_piece ? a->fz_piece + 3 * a->fz_npieces + a->N + 1 : a->fz_piece),
@@ -586,13 +589,15 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
 // sequences of 13, 3 and 7 chunks in 3, 1 and 2 pieces, launched longest first. In the
 // emulator: fwd_bound flags the warm-ups' failures (head 1) and not the later gate or b,
 // which the bounded pass flags; and the bounded pass leaves a sequence and head that
-// fwd_bound flagged to the exact passes (its o untouched).
+// fwd_bound flagged to the exact passes (its o untouched), and the sequence of one piece too
+// where any warm-up failed (the exact output pass runs it beside the others), else runs it.
+// hold1: head 1 decays as head 0 does, so that no warm-up fails.
 enum { LATE_NONE, LATE_GATE, LATE_BETA };
-static void run_fused_bounded_split(int K, int late, bool varlen, const char *bv = "64", int V = 32) {
+static void run_fused_bounded_split(int K, int late, bool varlen, const char *bv = "64", int V = 32, bool hold1 = false) {
     char name[96];
     const bool growth = late != LATE_NONE;
-    snprintf(name, sizeof name, "fused_bounded_split_K%d_V%d%s%s_bv%s", K, V, late == LATE_GATE ? "_growth" : late == LATE_BETA ? "_wide_beta" : "",
-             varlen ? "_varlen" : "", bv);
+    snprintf(name, sizeof name, "fused_bounded_split_K%d_V%d%s%s_bv%s%s", K, V, late == LATE_GATE ? "_growth" : late == LATE_BETA ? "_wide_beta" : "",
+             varlen ? "_varlen" : "", bv, hold1 ? "_head1_holds" : "");
     kda_context *cpu = t_cpu();
     kda_problem p0 = kda_problem_default(1, varlen ? 335 : 200, 1, K, V);
     p0.HV = 2; p0.dtype = KDA_BF16; p0.qk_l2norm = 1;
@@ -604,11 +609,13 @@ static void run_fused_bounded_split(int K, int late, bool varlen, const char *bv
     const kda_problem &p = I.p;
     const int N = varlen ? 3 : 1, pieces[3] = {3, 1, 2};
     for (int r = 0; r < p.T; r++)
-        for (int c = 0; c < K; c++) I.g[((size_t)r * p.HV + 0) * K + c] = -2.0f;
+        for (int hv = 0; hv < (hold1 ? 2 : 1); hv++)
+            for (int c = 0; c < K; c++) I.g[((size_t)r * p.HV + hv) * K + c] = -2.0f;
     // token 170: the first sequence's piece 2 (tokens 160-199), after its warm-up (128-159)
     if (late == LATE_GATE) I.g[((size_t)170 * p.HV + 0) * K + 3] = 0.5f;
     if (late == LATE_BETA) I.beta[(size_t)170 * p.HV + 0] = 2.5f;
-    auto fails = [&](int n, int hv) { return hv == 1 || (growth && n == 0); };
+    auto warm_fails = [&](int hv) { return hv == 1 && !hold1; }; // fwd_bound's verdict
+    auto fails = [&](int n, int hv) { return warm_fails(hv) || (growth && n == 0 && hv == 0); };
     DevIn X;
     dev_inputs(X, I);
     const size_t es = kda_dtype_size(p.dtype), nst = I.ns;
@@ -619,7 +626,7 @@ static void run_fused_bounded_split(int K, int late, bool varlen, const char *bv
     setenv("KDA_FUSED_BV", bv, 1);
 #ifdef KDA_TEST_EMU
     emu_flags.clear();
-    emu_warm_flags.clear();
+    emu_warm_flags.clear(), emu_any = -2;
     memset(emu_exact_cut, 0, sizeof emu_exact_cut);
     emu_o_bytes = I.nv * es;
 #endif
@@ -642,18 +649,27 @@ static void run_fused_bounded_split(int K, int late, bool varlen, const char *bv
             for (size_t f = 0; f < emu_warm_flags.size() && f < emu_flags.size(); f++)
                 CHECK(emu_warm_flags[f] == (emu_flags[f] && f % 2 == 1), "%s: fwd_bound's flag %zu is %d (final %d)", name, f,
                       emu_warm_flags[f], emu_flags[f]);
+            CHECK(emu_any == (varlen ? !hold1 : -1), "%s: fwd_bound's fz_any is %d", name, emu_any);
             // the bounded pass wrote o where fwd_bound's flags held, and nothing in head 1 of a
-            // sequence of several pieces (o is [T][HV][V]; poisoned 0xff before the call)
-            bool skipped = true, wrote = false;
+            // sequence of several pieces where its warm-ups failed; a sequence of one piece it
+            // left alone where any warm-up failed, else wrote whole (o is [T][HV][V]; poisoned
+            // 0xff before the call: 0xffff, a NaN, is no output)
+            bool skipped = true, wrote = false, whole_left = true, whole_wrote = true;
             for (int n = 0; n < N && emu_o_bounded.size() == emu_o_bytes; n++)
                 for (long long t = varlen ? cu[n] : 0; t < (varlen ? cu[n + 1] : p.T); t++)
-                    for (size_t x = 0; x < p.V * es; x++) {
-                        const unsigned char b = emu_o_bounded[((size_t)t * p.HV + 1) * p.V * es + x];
-                        if (pieces[n] > 1) skipped &= b == 0xff;
-                        wrote |= emu_o_bounded[((size_t)t * p.HV) * p.V * es + x] != 0xff;
-                    }
+                    for (int hv = 0; hv < 2; hv++)
+                        for (size_t x = 0; x < p.V * es; x += 2) {
+                            const unsigned char *b = &emu_o_bounded[((size_t)t * p.HV + hv) * p.V * es + x];
+                            const bool poison = b[0] == 0xff && b[1] == 0xff;
+                            if (pieces[n] == 1) whole_left &= poison, whole_wrote &= !poison;
+                            else if (hv == 1 && warm_fails(1)) skipped &= poison;
+                            else if (hv == 0) wrote |= !poison;
+                        }
             CHECK(emu_o_bounded.size() == emu_o_bytes && skipped && wrote, "%s: the bounded pass skipped head 1 (%d), wrote head 0 (%d)",
                   name, skipped, wrote);
+            if (varlen)
+                CHECK(hold1 ? whole_wrote : whole_left, "%s: the bounded pass %s the sequence of one piece", name,
+                      hold1 ? "did not write" : "wrote in");
             if (!varlen) { // no table: 3 pieces of 6 chunks, warm-up included (kda_fz_span), flags by slot = piece;
                 // the exact passes after it cut for themselves: 3 pieces of 5 chunks, no warm-up
                 CHECK(emu_pieces.empty() && emu_cut[0] == 3 && emu_cut[1] == 6, "%s: %zu table entries, %lld pieces of %lld chunks",
@@ -663,7 +679,7 @@ static void run_fused_bounded_split(int K, int late, bool varlen, const char *bv
                       emu_exact_cut[2]);
                 for (int sl = 1; sl < 3 && emu_flags.size() == 6; sl++)
                     for (int hv = 0; hv < 2; hv++) {
-                        const int want = hv == 1 || (growth && sl == 2);
+                        const int want = warm_fails(hv) || (growth && sl == 2 && hv == 0);
                         CHECK(emu_flags[sl * 2 + hv] == want, "%s: piece %d, head %d: flag %d, want %d", name, sl, hv, emu_flags[sl * 2 + hv], want);
                     }
                 continue;
@@ -681,7 +697,7 @@ static void run_fused_bounded_split(int K, int late, bool varlen, const char *bv
             }
             for (int sl = 0; sl < np; sl++)
                 for (int hv = 0; hv < 2 && sl > base[seq[sl]]; hv++) {
-                    const int want = hv == 1 || (growth && sl == 2); // (slot 2: the first sequence's piece 2)
+                    const int want = warm_fails(hv) || (growth && sl == 2 && hv == 0); // (slot 2: the first sequence's piece 2)
                     CHECK(emu_flags[sl * 2 + hv] == want, "%s: piece %d, head %d: flag %d, want %d", name, sl, hv, emu_flags[sl * 2 + hv], want);
                 }
         }
@@ -694,13 +710,13 @@ static void run_fused_bounded_split(int K, int late, bool varlen, const char *bv
     o.fetch(); ht.fetch(); oe.fetch(); hte.fetch();
     const double eo = err_t(o.c.data(), o.h.data(), I.nv, p.dtype), eh = err_f((float *)ht.c.data(), (float *)ht.h.data(), nst);
     CHECK(eo <= 1e-2 && eh <= 1e-2, "%s: o error %.3g, ht error %.3g", name, eo, eh);
-    // where the bound failed in a sequence of more than one piece: the exact split's bits; o is
-    // [T][HV][V], ht [N][HV][K][V]
+    // where the bound failed in a sequence of more than one piece, and in a sequence of one
+    // piece where any warm-up failed: the exact split's bits; o is [T][HV][V], ht [N][HV][K][V]
     bool same_o = true, same_ht = true;
     for (int n = 0; n < N; n++)
         for (int hv = 0; hv < 2; hv++) {
             const long long b = varlen ? cu[n] : 0, e = varlen ? cu[n + 1] : p.T;
-            if (!fails(n, hv) || pieces[n] == 1) continue; // (one piece: the bounded pass ran it whole)
+            if (pieces[n] == 1 ? hold1 : !fails(n, hv)) continue; // (else the bounded pass ran it)
             for (long long t = b; t < e; t++)
                 same_o &= !memcmp(&o.h[((size_t)t * p.HV + hv) * p.V * es], &oe.h[((size_t)t * p.HV + hv) * p.V * es], p.V * es);
             const size_t h0 = ((size_t)n * p.HV + hv) * K * p.V * 4;
@@ -769,7 +785,7 @@ static void run_fused_bound_flags_match_the_warmup_sums() {
         CHECK(kda_chunk_fwd(cpu, &p, &X.host, &out) == KDA_OK, "%s: CPU fwd: %s", name, kda_last_error(cpu));
         out.o = o.d, out.ht = (float *)ht.d;
         setenv("KDA_SEGMENTS", "4", 1); setenv("KDA_WARMUP", "2", 1); setenv("KDA_SPLIT", "bounded", 1);
-        emu_warm_flags.clear(), emu_warm_sums.clear();
+        emu_warm_flags.clear(), emu_warm_sums.clear(), emu_any = -2;
         emu_o_bytes = I.nv * kda_dtype_size(p.dtype); // (what the hook copies of o: this o's size, not the last test's)
         CHECK(kda_chunk_fwd(g_dev, &p, &X.dev, &out) == KDA_OK, "%s: fwd: %s", name, kda_last_error(g_dev));
         unsetenv("KDA_SEGMENTS"); unsetenv("KDA_WARMUP"); unsetenv("KDA_SPLIT");
@@ -792,6 +808,9 @@ static void run_fused_bound_flags_match_the_warmup_sums() {
                 CHECK(false, "%s: slot %zu head %zu: B = %.4f, flag %d", name, f / HV, f % HV, B, emu_warm_flags[f]);
         }
         CHECK((held >= 4 || c.kimi) && failed >= 4, "%s: %d warm-ups held and %d failed: the levels do not straddle the bound", name, held, failed);
+        bool any = false; // fz_any: set where any flag is (varlen: its piece table has it)
+        for (int f : emu_warm_flags) any |= f != 0;
+        CHECK(emu_any == (c.varlen ? (int)any : -1), "%s: fz_any %d where a flag is set: %d", name, emu_any, (int)any);
         printf("  %s: %d warm-ups held, %d failed, %d flags wrong; o %.2e ht %.2e\n", name, held, failed, wrong, eo, eh);
         dfree_all();
         t_inst_free(&I);
@@ -1206,6 +1225,7 @@ int main(int argc, char **argv) {
         if (!race) run_fused_bounded_split(64, LATE_GATE, true, "128");
         run_fused_bounded_split(64, LATE_GATE, false);
         run_fused_bounded_split(64, LATE_GATE, true);
+        if (!race) run_fused_bounded_split(64, LATE_GATE, true, "64", 32, true); // no warm-up fails: the sequence of one piece in the bounded pass
         run_fused_bounded_split(64, LATE_BETA, false); // --race too: its b check reads the warm-up length a group's warps share (53c4c1e's race)
         // two 128-column blocks (on Hopper a pair: each block flags the chunks its own groups built)
         if (!race) run_fused_bounded_split(64, LATE_GATE, true, "128", 144), run_fused_bounded_split(100, LATE_NONE, false, "128", 144);
