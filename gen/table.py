@@ -58,7 +58,7 @@ STAGES = {
     "fwd_fused_bounded": dict(axes={"dtype": ["f16", "bf16"], "bk": [64, 128], "bv": [64, 128], "varlen": [0, 1]}, grid="fused",
                         threads="2*bv+256+128*(bv==64)", smem="1024*(34+bk) if bv == 128 else 1024*(bk*3//2+34)"),
     "fwd_bound":   dict(axes={}, grid="fused", threads=512),
-    "fwd_combine": dict(axes={}, grid="fused", threads=256),
+    "fwd_combine": dict(axes={}, grid="fused", threads=512),
     # backward
     "bwd_dav":     dict(axes={"bt": BTS, "dtype": DTYPES}, grid="chunk_head", threads=256),
     "bwd_dhu":     dict(axes={"bt": BTS, "bk": TILES, "bv": [32], "dtype": DTYPES}, grid="seq_head_v", threads=256),

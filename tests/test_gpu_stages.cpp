@@ -93,6 +93,41 @@ static int emu_most_pieces(const kda__kparams *a) { // of one sequence, by the p
         most = std::max(most, a->fz_piece[3 * a->fz_npieces + n + 1] - a->fz_piece[3 * a->fz_npieces + n]);
     return most;
 }
+// fwd_combine's walk, start_1 = SL_0, start_{s+1} = P_s start_s + SL_s, recomputed in double
+// from the launch's own fz_trans, for every sequence and head it walks (kda_fz_exact's rule:
+// a flagged piece, or a sequence left whole where fwd_bound flagged any): each start within
+// 1e-5 of the largest element (fp32 sums of K products). Every emulated combine is checked.
+static void emu_check_combine(const kda__kparams *a) {
+    const long long HV = a->HV, K = a->K, V = a->V, rows = V + K;
+    for (long long n = 0; n < a->N; n++)
+        for (long long hv = 0; hv < HV; hv++) {
+            if (a->fz_flags) {
+                const long long b = a->fz_fseq ? a->fz_fseq[n] : n * a->fz_fnseg, e = a->fz_fseq ? a->fz_fseq[n + 1] : b + a->fz_fnseg;
+                bool exact = e == b + 1 ? a->fz_any && *a->fz_any : false;
+                for (long long sl = b + 1; sl < e; sl++) exact |= a->fz_flags[sl * HV + hv] != 0;
+                if (!exact) continue;
+            }
+            const long long base = a->fz_piece ? a->fz_piece[3 * a->fz_npieces + n] : n * a->fz_nseg;
+            const long long last = (a->fz_piece ? a->fz_piece[3 * a->fz_npieces + n + 1] - base : a->fz_nseg) - 1;
+            auto tr = [&](long long sl) { return a->fz_trans + ((base + sl) * HV + hv) * rows * K; };
+            std::vector<double> st(tr(0), tr(0) + V * K), nx(V * K); // start^T [v][key]
+            for (long long sl = 1; sl <= last; sl++) {
+                const float *got = a->fz_start + ((base + sl) * HV + hv) * V * K;
+                double big = 0.0, worst = 0.0;
+                for (long long i = 0; i < V * K; i++) big = std::max(big, fabs(st[i])), worst = std::max(worst, fabs(got[i] - st[i]));
+                CHECK(worst <= 1e-5 * big + 1e-30, "fwd_combine: sequence %lld head %lld start %lld off by %.3g of %.3g", n, hv, sl, worst, big);
+                if (sl == last) break;
+                const float *t = tr(sl);
+                for (long long v = 0; v < V; v++)
+                    for (long long d = 0; d < K; d++) {
+                        double x = t[v * K + d];
+                        for (long long e = 0; e < K; e++) x += st[v * K + e] * t[(V + e) * K + d];
+                        nx[v * K + d] = x;
+                    }
+                st.swap(nx);
+            }
+        }
+}
 static kda_status emu_launch(kda_context *ctx, const kda__kdesc *k, const unsigned grid[3], const kda__kparams *a) {
     if (!strncmp(k->stage, "fwd_fused", 9)) emu_fused++, emu_fused_bv = k->bv, emu_fused_nseg = emu_most_pieces(a);
     for (const kda_emu_kernel &e : kda_emu_kernels)
@@ -105,6 +140,7 @@ static kda_status emu_launch(kda_context *ctx, const kda__kdesc *k, const unsign
             kda_emu_launch(e.fn, g, (unsigned)k->threads, prm, (size_t)k->smem, pairs ? 2u : 1u, kda__fused_pair_axis(grid));
             emu_launches++;
             if (pairs) emu_pairs++;
+            if (!strcmp(k->stage, "fwd_combine")) emu_check_combine(a);
             if (!strcmp(k->stage, "fwd_bound"))
                 emu_warm_flags.assign(a->fz_flags, a->fz_flags + a->fz_npieces * a->HV), emu_warm_sums_of(a),
                     emu_any = a->fz_any ? *a->fz_any : -1;
