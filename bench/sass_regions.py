@@ -20,7 +20,8 @@ one is, and the kernel ran 17% slower (2026-11-26). Check here before timing a k
 on a GPU.
 
 cuobjdump comes from $CUDA_HOME/bin, /usr/local/cuda/bin or PATH (the nvidia-cuda-cuobjdump
-wheel puts one in site-packages/nvidia/cu13/bin: give it with --cuobjdump).
+wheel puts one in site-packages/nvidia/cu13/bin: give it with --cuobjdump; it runs nvdisasm, from
+the nvidia-cuda-nvdisasm wheel, which must then be on PATH).
 """
 import argparse
 import glob
@@ -76,16 +77,26 @@ def wgmma_waits(lines):
 
 
 def chunk_loop(lines):
-    """(instructions, STL, LDL) of the region's longest loop: the widest span from a backward
-    branch's target to the branch (in the fused kernel, each kind of warp's chunk loop)"""
+    """(instructions, STL, LDL) of the region's chunk loop: the widest span from a backward
+    branch's target to the branch that holds a barrier or a wgmma (a chunk's hand-over) and no
+    inner loop that holds one too (so that a loop around the chunk loop, over several pieces,
+    does not take its place)"""
     at = {int(m.group(1), 16): i for i, m in enumerate(re.match(r"\s+/\*([0-9a-f]+)\*/", x) for x in lines) if m}
-    lo = hi = 0
+    loops = []
     for i, line in enumerate(lines):
         m = re.search(r"\bBRA\s+0x([0-9a-f]+)", line)
         j = at.get(int(m.group(1), 16)) if m else None
-        if j is not None and j < i and i - j > hi - lo:
-            lo, hi = j, i
-    body = lines[lo:hi + 1] if hi > lo else []
+        if j is not None and j < i:
+            loops.append((j, i))
+    syncs = [any(k in x for k in ("BAR.", "HGMMA")) for x in lines]
+    def holds(lo, hi):
+        return any(syncs[lo:hi + 1])
+    best = (0, 0)
+    for lo, hi in loops:
+        inner = any(lo <= a and b <= hi and (a, b) != (lo, hi) and holds(a, b) for a, b in loops)
+        if holds(lo, hi) and not inner and hi - lo > best[1] - best[0]:
+            best = (lo, hi)
+    body = lines[best[0]:best[1] + 1] if best[1] > best[0] else []
     return (len(body),) + spill_code(body)
 
 
