@@ -34,7 +34,8 @@
  *     KDA_KERNELS_HEADER "path"               another kernel table than kernels_generated/
  *
  * Environment: KDA_NUM_THREADS (CPU threads; default: all cores), KDA_LOG=1
- * (log lines to stderr unless the context has a log callback).
+ * (log lines to stderr unless the context has a log callback); README.md lists
+ * the GPU's (kernel cache, ahead-of-time cubins, tuning).
  *
  * Thread safety: a context may be used by one thread at a time; use one context
  * per thread for concurrent calls. Contexts share nothing.
@@ -2217,7 +2218,9 @@ kda_status kda_synchronize(kda_context *ctx) {
  * backend. Kernels come, in this order, from the context's loaded modules, the
  * cubins embedded with KDA_EMBED_CUBINS, the folder KDA_CUBIN_DIR, the disk
  * cache, and finally NVRTC (whose result then goes to the disk cache). Every
- * cubin read from anywhere is verified (length, checksum, key) before use. */
+ * cubin read from anywhere is verified (length, checksum, key) before use. The
+ * fused forward's kernels, where NVRTC compiles them, are specialised for the
+ * problem's gate form and g dtype (kda__kspec); ahead-of-time cubins are generic. */
 #ifndef KDA_NO_CUDA
 #include <dlfcn.h>
 #include <errno.h>
@@ -2423,31 +2426,45 @@ static int kda__nvrtc_load(kda__nvrtc *nv, char *tried, size_t tried_n) {
     return 0;
 }
 
-/* NVRTC options for an architecture ("sm_90a"); the kernels need no CUDA headers.
- * KDA_NVRTC_LINEINFO=1 adds source line tables (profilers map samples to template
- * lines); options are part of the cache key, so such cubins are cached apart. */
-static int kda__nvrtc_options(const char *arch, const char *opts[8], char *archopt, size_t n) {
+/* A specialisation of a fused forward kernel for a problem's gate form and g dtype (1 + 3 gate
+ * + g_dtype; 0: generic, as ahead-of-time cubins and kda_compile_kernel's are): NVRTC compiles
+ * it with both fixed (fwd_fused.cu.j2's KDA_FZ_GATE, KDA_FZ_GDT). Against the generic kernel
+ * (H100, 2026-11-26): the lower-bound gate -7%, B1 T8192 H32 -3% (Kimi-init gates -3.6%),
+ * V=256 -2%, B8 T4096 H16 and varlen -0.5 to -1%, B1 T65536 H16 even. The other kernels have
+ * no specialisations. */
+static int kda__kspec(const kda__kdesc *k, long long gate, long long g_dtype) {
+    return strncmp(k->stage, "fwd_fused", 9) ? 0 : (int)(1 + 3 * gate + g_dtype);
+}
+
+/* NVRTC options for an architecture ("sm_90a") and a specialisation (kda__kspec); the kernels
+ * need no CUDA headers. KDA_NVRTC_LINEINFO=1 adds source line tables (profilers map samples
+ * to template lines); options are part of the cache key, so such cubins are cached apart.
+ * buf holds the options' text. */
+static int kda__nvrtc_options(const char *arch, int spec, const char *opts[8], char buf[3][32]) {
     const char *li = getenv("KDA_NVRTC_LINEINFO");
-    snprintf(archopt, n, "-arch=%s", arch);
-    opts[0] = archopt;
+    int n = 4;
+    snprintf(buf[0], sizeof buf[0], "-arch=%s", arch);
+    opts[0] = buf[0];
     opts[1] = "-std=c++17";
     opts[2] = "-default-device";
     opts[3] = "-DKDA_NVRTC=1";
-    if (li && li[0] == '1') {
-        opts[4] = "-lineinfo";
-        return 5;
+    if (spec > 0) {
+        snprintf(buf[1], sizeof buf[1], "-DKDA_FZ_GATE=%d", (spec - 1) / 3);
+        snprintf(buf[2], sizeof buf[2], "-DKDA_FZ_GDT=%d", (spec - 1) % 3);
+        opts[n++] = buf[1], opts[n++] = buf[2];
     }
-    return 4;
+    if (li && li[0] == '1') opts[n++] = "-lineinfo";
+    return n;
 }
 
-/* The cache key of kernel k for arch: SHA-256 of the library version, the NVRTC
- * version (0.0 for the AOT key, which a deployment without NVRTC must be able to
+/* The cache key of kernel k (specialisation spec) for arch: SHA-256 of the library version,
+ * the NVRTC version (0.0 for the AOT key, which a deployment without NVRTC must be able to
  * compute), every option, the shared header and the kernel's source. */
-static void kda__kernel_key(const kda__kdesc *k, const char *arch, int nv_major, int nv_minor, unsigned char key[32]) {
+static void kda__kernel_key(const kda__kdesc *k, int spec, const char *arch, int nv_major, int nv_minor, unsigned char key[32]) {
     kda__sha256 s;
     const char *opts[8];
-    char archopt[64], ver[64];
-    int i, n = kda__nvrtc_options(arch, opts, archopt, sizeof archopt);
+    char buf[3][32], ver[64];
+    int i, n = kda__nvrtc_options(arch, spec, opts, buf);
     kda__sha_init(&s);
     snprintf(ver, sizeof ver, "kda %s nvrtc %d.%d", KDA_VERSION_STRING, nv_major, nv_minor);
     kda__sha_str(&s, ver);
@@ -2460,15 +2477,16 @@ static void kda__kernel_key(const kda__kdesc *k, const char *arch, int nv_major,
     kda__sha_end(&s, key);
 }
 
-/* Compiles kernel k for arch; on success *out is the wrapped cubin (header + payload,
- * key = the full cache key). On a compile error the message has the full log. */
-static kda_status kda__nvrtc_compile(kda_context *ctx, const kda__nvrtc *nv, const kda__kdesc *k, const char *arch,
+/* Compiles kernel k (specialisation spec) for arch; on success *out is the wrapped cubin
+ * (header + payload, key = the full cache key). On a compile error the message has the full
+ * log and the options. */
+static kda_status kda__nvrtc_compile(kda_context *ctx, const kda__nvrtc *nv, const kda__kdesc *k, int spec, const char *arch,
                                      unsigned char **out, size_t *out_n) {
 #ifdef KDA__HAVE_KERNELS
     kda__nvrtcProgram prog = NULL;
     const char *opts[8], *hdr_src[1], *hdr_name[1];
-    char archopt[64];
-    int n = kda__nvrtc_options(arch, opts, archopt, sizeof archopt), r, i;
+    char buf[3][32];
+    int n = kda__nvrtc_options(arch, spec, opts, buf), r, i;
     size_t sz = 0;
     unsigned char key[32];
     char *bin;
@@ -2499,12 +2517,12 @@ static kda_status kda__nvrtc_compile(kda_context *ctx, const kda__nvrtc *nv, con
     if (!bin) { nv->destroy(&prog); return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "cannot allocate %zu bytes", sz); }
     nv->cubin(prog, bin);
     nv->destroy(&prog);
-    kda__kernel_key(k, arch, nv->major, nv->minor, key);
+    kda__kernel_key(k, spec, arch, nv->major, nv->minor, key);
     *out_n = kda__cubin_wrap(bin, sz, key, out);
     free(bin);
     return *out ? KDA_OK : kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "cannot allocate %zu bytes", sz);
 #else
-    (void)nv; (void)arch; (void)out; (void)out_n;
+    (void)nv; (void)spec; (void)arch; (void)out; (void)out_n;
     return kda__fail(ctx, KDA_ERROR_UNSUPPORTED, "kernel %s: kda.h was built without kernels_generated/", k ? k->name : "?");
 #endif
 }
@@ -2542,7 +2560,7 @@ typedef struct {
     kda__CUresult (*error_string)(kda__CUresult, const char **);
 } kda__cuapi;
 
-typedef struct { char name[96]; kda__CUmodule mod; kda__CUfunction fn; } kda__kmod;
+typedef struct { char name[96]; int spec; kda__CUmodule mod; kda__CUfunction fn; } kda__kmod;
 typedef struct {
     kda__cuapi cu;
     kda__nvrtc nv;
@@ -2551,6 +2569,7 @@ typedef struct {
     kda__CUdevice dev;
     kda__CUcontext pctx;
     int cc_major, cc_minor, async_alloc, sms, smem_optin, pdl;
+    int spec; /* 1: the fused kernels specialised per gate (kda__kspec), through NVRTC; 0: generic */
     char arch[16], name[128];
     char cache_dir[1024];
     int cache_state; /* 0 unknown, 1 usable, -1 unusable (warned) */
@@ -2680,17 +2699,19 @@ static void kda__cache_write_failed(kda_context *ctx, kda__cuda *c) {
 }
 
 /* Reads c but never changes it, so threads can share it (kda_warmup);
- * *write_failed tells the caller that the cache could not take the new file. */
-static kda_status kda__cubin_get(kda_context *ctx, const kda__cuda *c, const kda__kdesc *k, unsigned char **out,
+ * *write_failed tells the caller that the cache could not take the new file. A
+ * specialisation (spec > 0) comes from the cache or NVRTC alone: ahead-of-time cubins
+ * are generic. */
+static kda_status kda__cubin_get(kda_context *ctx, const kda__cuda *c, const kda__kdesc *k, int spec, unsigned char **out,
                                  size_t *n, const unsigned char **payload, int *origin, int *write_failed) {
     unsigned char aot_key[32], key[32];
     char hex[65], path[1400];
     const char *dir = getenv("KDA_CUBIN_DIR");
     kda_status s;
-    kda__kernel_key(k, c->arch, 0, 0, aot_key);
+    kda__kernel_key(k, spec, c->arch, 0, 0, aot_key);
     kda__hex(aot_key, 8, hex);
 #if defined(KDA_EMBED_CUBINS)
-    {
+    if (spec == 0) {
         size_t i;
         for (i = 0; i < sizeof kda__embedded / sizeof kda__embedded[0]; i++)
             if (!strcmp(kda__embedded[i].name, k->name) && !strcmp(kda__embedded[i].arch, c->arch) &&
@@ -2702,7 +2723,7 @@ static kda_status kda__cubin_get(kda_context *ctx, const kda__cuda *c, const kda
             }
     }
 #endif
-    if (dir && *dir) {
+    if (dir && *dir && spec == 0) {
         snprintf(path, sizeof path, "%s/%s_%s_%s.cubin", dir, k->name, c->arch, hex);
         if ((*out = kda__read_file(path, n)) && (*payload = kda__cubin_verify(*out, *n, aot_key))) { *origin = 1; return KDA_OK; }
         free(*out); /* missing or failed verification */
@@ -2712,7 +2733,7 @@ static kda_status kda__cubin_get(kda_context *ctx, const kda__cuda *c, const kda
         return kda__fail(ctx, KDA_ERROR_UNSUPPORTED, "kernel %s for %s: no cubin embedded or in KDA_CUBIN_DIR, and NVRTC "
                          "is not available (tried %s); set KDA_NVRTC_PATH or provide ahead-of-time cubins", k->name,
                          c->arch, c->nv_tried);
-    kda__kernel_key(k, c->arch, c->nv.major, c->nv.minor, key);
+    kda__kernel_key(k, spec, c->arch, c->nv.major, c->nv.minor, key);
     kda__hex(key, 8, hex);
     *write_failed = 0;
     if (c->cache_state == 1) {
@@ -2721,7 +2742,7 @@ static kda_status kda__cubin_get(kda_context *ctx, const kda__cuda *c, const kda
         free(*out); /* missing, short, corrupt or for another key: a miss, replaced below */
         *out = NULL;
     }
-    if ((s = kda__nvrtc_compile(ctx, &c->nv, k, c->arch, out, n))) return s;
+    if ((s = kda__nvrtc_compile(ctx, &c->nv, k, spec, c->arch, out, n))) return s;
     *payload = *out + KDA__CUBIN_HDR;
     *origin = 3;
     if (c->cache_state == 1 && kda__write_file_atomic(path, *out, *n) != 0) *write_failed = 1;
@@ -2734,20 +2755,22 @@ static double kda__now_ms(void) {
     return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
 }
 
-static kda__CUfunction kda__cu_loaded(const kda__cuda *c, const kda__kdesc *k) {
+static kda__CUfunction kda__cu_loaded(const kda__cuda *c, const kda__kdesc *k, int spec) {
     int i;
     for (i = 0; i < c->nmods; i++)
-        if (!strcmp(c->mods[i].name, k->name)) return c->mods[i].fn;
+        if (c->mods[i].spec == spec && !strcmp(c->mods[i].name, k->name)) return c->mods[i].fn;
     return NULL;
 }
 
-/* Loads the module of kernel k from its verified cubin (primary context current). */
-static kda_status kda__cu_load(kda_context *ctx, kda__cuda *c, const kda__kdesc *k, const unsigned char *payload,
+/* Loads the module of kernel k (specialisation spec) from its verified cubin (primary context
+ * current). */
+static kda_status kda__cu_load(kda_context *ctx, kda__cuda *c, const kda__kdesc *k, int spec, const unsigned char *payload,
                                int origin, double t0, kda__CUfunction *fn) {
     kda__kmod m;
     kda__CUresult r;
     memset(&m, 0, sizeof m);
     snprintf(m.name, sizeof m.name, "%s", k->name);
+    m.spec = spec;
     r = c->cu.module_load(&m.mod, payload);
     if (r) return kda__cu_fail(ctx, c, r, "cuModuleLoadData", k->name);
     if ((r = c->cu.module_function(&m.fn, m.mod, k->name))) {
@@ -2770,23 +2793,25 @@ static kda_status kda__cu_load(kda_context *ctx, kda__cuda *c, const kda__kdesc 
     }
     c->mods[c->nmods++] = m;
     *fn = m.fn;
-    kda__log(ctx, "load %s %s %s %.1f ms", k->name, c->arch, kda__origin[origin], kda__now_ms() - t0);
+    if (spec) kda__log(ctx, "load %s (gate %d, g %s) %s %s %.1f ms", k->name, (spec - 1) / 3, kda_dtype_name((kda_dtype)((spec - 1) % 3)),
+                       c->arch, kda__origin[origin], kda__now_ms() - t0);
+    else kda__log(ctx, "load %s %s %s %.1f ms", k->name, c->arch, kda__origin[origin], kda__now_ms() - t0);
     return KDA_OK;
 }
 
-/* The loaded function of kernel k (loading its module once per context). */
-static kda_status kda__cu_function(kda_context *ctx, kda__cuda *c, const kda__kdesc *k, kda__CUfunction *fn) {
+/* The loaded function of kernel k, specialisation spec (loading its module once per context). */
+static kda_status kda__cu_function(kda_context *ctx, kda__cuda *c, const kda__kdesc *k, int spec, kda__CUfunction *fn) {
     unsigned char *buf = NULL;
     const unsigned char *payload = NULL;
     size_t n = 0;
     int origin = 0, wfail = 0;
     double t0 = kda__now_ms();
     kda_status s;
-    if ((*fn = kda__cu_loaded(c, k))) return KDA_OK;
+    if ((*fn = kda__cu_loaded(c, k, spec))) return KDA_OK;
     kda__cache_prepare(ctx, c);
-    s = kda__cubin_get(ctx, c, k, &buf, &n, &payload, &origin, &wfail);
+    s = kda__cubin_get(ctx, c, k, spec, &buf, &n, &payload, &origin, &wfail);
     if (wfail) kda__cache_write_failed(ctx, c);
-    if (s == KDA_OK) s = kda__cu_load(ctx, c, k, payload, origin, t0, fn);
+    if (s == KDA_OK) s = kda__cu_load(ctx, c, k, spec, payload, origin, t0, fn);
     free(buf);
     return s;
 }
@@ -2823,7 +2848,7 @@ static kda_status kda__cu_launch_pdl(kda_context *ctx, const kda__kdesc *k, cons
     kda__CUresult r;
     kda_status s;
     if ((s = kda__cu_enter(ctx, c))) return s;
-    if ((s = kda__cu_function(ctx, c, k, &fn))) { kda__cu_leave(c); return s; }
+    if ((s = kda__cu_function(ctx, c, k, c->spec ? kda__kspec(k, a->gate, a->g_dtype) : 0, &fn))) { kda__cu_leave(c); return s; }
     args[0] = &copy;
     if (pdl || pair) {
         memset(at, 0, sizeof at);
@@ -2942,8 +2967,19 @@ static kda_status kda__cuda_open(kda_context *ctx) {
     c->pdl = c->cc_major >= 9 && c->cu.launch_ex && kda__env_int("KDA_PDL", 1) > 0; /* kda__cu_launch_after */
     KDA__CU(c->cu.primary_retain(&c->pctx, c->dev), "cuDevicePrimaryCtxRetain", c->name);
     c->nv_ok = kda__nvrtc_load(&c->nv, c->nv_tried, sizeof c->nv_tried) == 0;
-    kda__log(ctx, "context: cuda device %d (%s, %s), nvrtc %s", ctx->opt.device, c->name, c->arch,
-             c->nv_ok ? "loaded" : "not found");
+    /* specialisations through NVRTC (kda__kspec), unless KDA_SPECIALIZE=0, or ahead-of-time
+     * cubins are at hand (embedded, KDA_CUBIN_DIR: a deployment that brings them wants no
+     * compiles) and KDA_SPECIALIZE=1 does not ask for them all the same */
+    {
+        const char *dir = getenv("KDA_CUBIN_DIR");
+        int aot = dir && *dir;
+#if defined(KDA_EMBED_CUBINS)
+        aot = 1;
+#endif
+        c->spec = c->nv_ok && kda__env_int("KDA_SPECIALIZE", aot ? 0 : 1) > 0;
+    }
+    kda__log(ctx, "context: cuda device %d (%s, %s), nvrtc %s%s", ctx->opt.device, c->name, c->arch,
+             c->nv_ok ? "loaded" : "not found", c->spec ? ", fused kernels specialised per gate" : "");
     return KDA_OK;
 }
 #endif /* KDA_NO_CUDA */
@@ -2971,11 +3007,11 @@ kda_status kda_compile_kernel(kda_context *ctx, int i, const char *arch, void **
         const kda__kdesc *k = &kda__kernels[i];
         if (kda__nvrtc_load(&nv, tried, sizeof tried) != 0)
             return kda__fail(ctx, KDA_ERROR_UNSUPPORTED, "NVRTC not found (tried %s); set KDA_NVRTC_PATH", tried);
-        s = kda__nvrtc_compile(ctx, &nv, k, arch, &out, &n);
+        s = kda__nvrtc_compile(ctx, &nv, k, 0, arch, &out, &n);
         dlclose(nv.lib);
         if (s) return s;
         /* ahead-of-time files carry the AOT key (no NVRTC version in it) */
-        kda__kernel_key(k, arch, 0, 0, key);
+        kda__kernel_key(k, 0, arch, 0, 0, key);
         memcpy(out + 24, key, 32);
         kda__hex(key, 8, hex);
         if (file_name) snprintf(file_name, file_name_size, "%s_%s_%s.cubin", k->name, arch, hex);
@@ -3264,6 +3300,7 @@ typedef struct {
     kda_context tmp; /* a private copy: its error buffer is this job's own */
     const kda__cuda *c;
     const kda__kdesc *k;
+    int spec;
     unsigned char *buf;
     const unsigned char *payload;
     size_t n;
@@ -3274,7 +3311,7 @@ typedef struct {
 #ifndef KDA_NO_THREADS
 static void *kda__warm_worker(void *arg) {
     kda__wjob *j = (kda__wjob *)arg;
-    j->s = kda__cubin_get(&j->tmp, j->c, j->k, &j->buf, &j->n, &j->payload, &j->origin, &j->wfail);
+    j->s = kda__cubin_get(&j->tmp, j->c, j->k, j->spec, &j->buf, &j->n, &j->payload, &j->origin, &j->wfail);
     return NULL;
 }
 #endif
@@ -3295,13 +3332,15 @@ kda_status kda_warmup(kda_context *ctx, const kda_problem *p) {
         kda__cache_prepare(ctx, c);
         for (i = 0; i < n && i < 32; i++) {
             const kda__kdesc *k = &kda__kernels[idx[i]];
+            const int spec = c->spec ? kda__kspec(k, p->gate, p->g_dtype) : 0; /* (as kda__cu_launch_pdl asks) */
             int dup = 0, j;
             for (j = 0; j < nj; j++) dup |= jobs[j].k == k;
-            if (dup || kda__cu_loaded(c, k)) continue;
+            if (dup || kda__cu_loaded(c, k, spec)) continue;
             memset(&jobs[nj], 0, sizeof jobs[nj]);
             jobs[nj].tmp = *ctx;
             jobs[nj].c = c;
             jobs[nj].k = k;
+            jobs[nj].spec = spec;
             jobs[nj].t0 = kda__now_ms();
             nj++;
         }
@@ -3318,7 +3357,7 @@ kda_status kda_warmup(kda_context *ctx, const kda_problem *p) {
             }
 #else
             for (i = b; i < e; i++)
-                jobs[i].s = kda__cubin_get(&jobs[i].tmp, c, jobs[i].k, &jobs[i].buf, &jobs[i].n, &jobs[i].payload,
+                jobs[i].s = kda__cubin_get(&jobs[i].tmp, c, jobs[i].k, jobs[i].spec, &jobs[i].buf, &jobs[i].n, &jobs[i].payload,
                                            &jobs[i].origin, &jobs[i].wfail);
 #endif
         }
@@ -3331,7 +3370,7 @@ kda_status kda_warmup(kda_context *ctx, const kda_problem *p) {
                     memcpy(ctx->err, jobs[i].tmp.err, sizeof ctx->err);
                     s = jobs[i].s;
                 }
-                if (s == KDA_OK) s = kda__cu_load(ctx, c, jobs[i].k, jobs[i].payload, jobs[i].origin, jobs[i].t0, &fn);
+                if (s == KDA_OK) s = kda__cu_load(ctx, c, jobs[i].k, jobs[i].spec, jobs[i].payload, jobs[i].origin, jobs[i].t0, &fn);
             }
             kda__cu_leave(c);
         }

@@ -938,7 +938,7 @@ static int bench_jit(const char *arch, int threads)
                     unsigned char key[32];
                     char hex[32];
                     const kda__kdesc *k = &kda__kernels[jp.items[i].idx];
-                    kda__kernel_key(k, arch, c->nv.major, c->nv.minor, key);
+                    kda__kernel_key(k, 0, arch, c->nv.major, c->nv.minor, key);
                     kda__hex(key, 8, hex);
                     memcpy((unsigned char *)jp.items[i].cubin + 24, key, 32);
                     snprintf(path, sizeof path, "%s/%s_%s_%s.cubin", cache, k->name, arch, hex);
@@ -958,7 +958,7 @@ static int bench_jit(const char *arch, int threads)
                         const unsigned char *payload = NULL;
                         size_t len = 0;
                         int origin = -1, wf = 0;
-                        if (kda__cubin_get(hc, c, &kda__kernels[jp.items[i].idx], &buf, &len, &payload, &origin, &wf) != KDA_OK ||
+                        if (kda__cubin_get(hc, c, &kda__kernels[jp.items[i].idx], 0, &buf, &len, &payload, &origin, &wf) != KDA_OK ||
                             origin != (pass == 0 ? 1 : 2))
                             bad++;
                         free(buf);

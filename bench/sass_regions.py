@@ -1,9 +1,14 @@
 #!/usr/bin/env python3
 """A fused kernel's SASS by warp role, without a GPU: instructions and spill code per region.
 
-    make build/kda-aot
-    python3 bench/sass_regions.py [--arch sm_90a] NAME [NAME ...]
+    make build/kda-aot build/test_jit
+    python3 bench/sass_regions.py [--arch sm_90a] [--spec GATE,G_DTYPE] NAME [NAME ...]
     python3 bench/sass_regions.py kda_fwd_fused_dtypebf16_bk128_bv128_varlen0
+    python3 bench/sass_regions.py --spec 0,0 kda_fwd_fused_dtypebf16_bk128_bv128_varlen0
+
+--spec looks at the specialisation kda.h's NVRTC compiles for a problem with that gate form and
+g dtype (kda_gate, kda_dtype numbers; kda__kspec), through build/test_jit; without it, at the
+generic kernel, as ahead-of-time cubins have it (build/kda-aot).
 
 Compiles each kernel with build/kda-aot (kda.h's own NVRTC path), disassembles it with
 cuobjdump and splits it at its setmaxnreg instructions: the prologue, the factor warps
@@ -105,19 +110,25 @@ def main():
     ap.add_argument("names", nargs="+", help="kernel names (kernels_generated/kda_kernels.h)")
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--cuobjdump", help="path to cuobjdump")
+    ap.add_argument("--spec", help="GATE,G_DTYPE: the specialisation for that gate form and g dtype")
     a = ap.parse_args()
-    aot, cuobjdump = os.path.join(ROOT, "build", "kda-aot"), find_cuobjdump(a.cuobjdump)
-    if not os.access(aot, os.X_OK):
-        sys.exit("build/kda-aot is missing: make build/kda-aot")
+    tool = os.path.join(ROOT, "build", "test_jit" if a.spec else "kda-aot")
+    cuobjdump = find_cuobjdump(a.cuobjdump)
+    if not os.access(tool, os.X_OK):
+        sys.exit(f"{tool} is missing: make {os.path.relpath(tool, ROOT)}")
     if not cuobjdump:
         sys.exit("cuobjdump not found: set CUDA_HOME or give --cuobjdump")
     status = 0
     for name in a.names:
         with tempfile.TemporaryDirectory() as tmp:
-            r = subprocess.run([aot, "--arch", a.arch, "--only", name, "--out", tmp], capture_output=True, text=True)
+            if a.spec:  # test_jit compiles it into a cache folder of its own
+                cmd = [tool, "get", name, a.arch] + a.spec.split(",")
+                r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, KDA_CACHE_DIR=tmp))
+            else:
+                r = subprocess.run([tool, "--arch", a.arch, "--only", name, "--out", tmp], capture_output=True, text=True)
             cubins = glob.glob(os.path.join(tmp, "*.cubin"))
             if r.returncode or not cubins:
-                print(f"{name}: kda-aot failed\n{r.stdout}{r.stderr}")
+                print(f"{name}: {os.path.basename(tool)} failed\n{r.stdout}{r.stderr}")
                 status = 1
                 continue
             data = open(cubins[0], "rb").read()

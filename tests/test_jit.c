@@ -2,10 +2,13 @@
  * through kda.h's own lookup (embedded, KDA_CUBIN_DIR, disk cache, NVRTC) for a
  * stand-in device of a given architecture. tests/test_jit.sh drives it.
  *
- *   test_jit get NAME [ARCH]   prints "embedded" | "aot" | "cache hit" | "cache miss"
+ *   test_jit get NAME [ARCH [GATE G_DTYPE]]
+ *                              prints "embedded" | "aot" | "cache hit" | "cache miss"
  *                              and exits 0, or prints the error and exits 1; in
  *                              both cases it then runs a small CPU forward and
- *                              prints "cpu ok" (the CPU path works without NVRTC)
+ *                              prints "cpu ok" (the CPU path works without NVRTC).
+ *                              GATE G_DTYPE (kda_gate, kda_dtype numbers): the
+ *                              specialisation a problem with them asks for (kda__kspec)
  *   test_jit list              the kernel names */
 #define KDA_IMPLEMENTATION
 #include "../kda.h"
@@ -45,7 +48,7 @@ int main(int argc, char **argv) {
         return 0;
     }
     if (argc < 3 || strcmp(argv[1], "get") != 0) {
-        fprintf(stderr, "usage: test_jit get NAME [ARCH] | test_jit list\n");
+        fprintf(stderr, "usage: test_jit get NAME [ARCH [GATE G_DTYPE]] | test_jit list\n");
         return 2;
     }
     for (i = 0; i < KDA__NUM_KERNELS; i++)
@@ -56,7 +59,7 @@ int main(int argc, char **argv) {
     snprintf(c.arch, sizeof c.arch, "%s", argc > 3 ? argv[3] : "sm_90a");
     c.nv_ok = kda__nvrtc_load(&c.nv, c.nv_tried, sizeof c.nv_tried) == 0;
     kda__cache_prepare(ctx, &c);
-    s = kda__cubin_get(ctx, &c, k, &buf, &n, &payload, &origin, &wfail);
+    s = kda__cubin_get(ctx, &c, k, argc > 5 ? kda__kspec(k, atoi(argv[4]), atoi(argv[5])) : 0, &buf, &n, &payload, &origin, &wfail);
     if (wfail) kda__cache_write_failed(ctx, &c);
     if (s == KDA_OK && payload) {
         printf("%s\n", kda__origin[origin]);

@@ -69,6 +69,21 @@ printf '\x55' | dd of="$a" bs=1 seek=2000 conv=notrunc status=none
 check "a corrupt AOT cubin is refused" 'KDA_NVRTC_PATH=$tmp/no $jit get $K | head -n 1 | grep -q "^error"'
 unset KDA_CUBIN_DIR
 
+# a fused kernel's specialisation for a gate form and g dtype (kda__kspec): a cache file of
+# its own, and never the generic kernel's ahead-of-time cubin
+F=kda_fwd_fused_dtypebf16_bk64_bv64_varlen0
+export KDA_CACHE_DIR="$tmp/spec"
+check "a specialisation (softplus gate, fp32 g) compiles" '[ "$($jit get $F sm_90a 1 0 | head -n 1)" = "cache miss" ]'
+check "and is cached" '[ "$($jit get $F sm_90a 1 0 | head -n 1)" = "cache hit" ]'
+check "the generic kernel is not that file" '[ "$($jit get $F sm_90a | head -n 1)" = "cache miss" ] && [ "$(ls "$tmp/spec" | wc -l)" = 2 ]'
+"$build/kda-aot" --arch sm_90a --only $F --out "$tmp/aotf" > /dev/null
+export KDA_CUBIN_DIR="$tmp/aotf"
+check "the generic kernel's AOT cubin serves the generic kernel" '[ "$($jit get $F sm_90a | head -n 1)" = aot ]'
+check "but not a specialisation" '[ "$($jit get $F sm_90a 1 0 | head -n 1)" = "cache hit" ]'
+unset KDA_CUBIN_DIR
+export KDA_CACHE_DIR="$tmp/cache"
+check "a kernel outside the fused forward has no specialisations" '[ "$($jit get $K sm_90a 1 0 | head -n 1)" = "cache hit" ]'
+
 # embedded cubins (KDA_EMBED_CUBINS): no file, no NVRTC
 "$build/kda-aot" --arch sm_90a --only $K --out "$tmp/emb" --embed "$tmp/emb/kda_cubins.h" > /dev/null
 ${CC:-cc} -std=c11 -O1 -DKDA_EMBED_CUBINS -I"$tmp/emb" -o "$tmp/jit_emb" tests/test_jit.c -lm -lpthread -ldl
