@@ -3795,7 +3795,8 @@ static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const 
  * longest first (by their chunks, warm-up included), each piece's sequence and first chunk,
  * each sequence's first piece and one past the last, and a 0 that fwd_bound may set (the
  * bounded split's fz_any). Varlen only (fixed lengths: NULL); kda__free it. */
-#define KDA__FZ_TAB(np, nseq) ((size_t)(3 * (np) + (nseq) + 2))
+#define KDA__FZ_ANY(np, nseq) (3 * (np) + (nseq) + 1) /* fz_any's place in it */
+#define KDA__FZ_TAB(np, nseq) ((size_t)KDA__FZ_ANY(np, nseq) + 1)
 static kda_status kda__fused_table(kda_context *ctx, const kda_problem *p, const long long *len, long long nseq,
                                    long long warm, kda__fz_plan *pl) {
     long long i, r, nseg;
@@ -3818,7 +3819,7 @@ static kda_status kda__fused_table(kda_context *ctx, const kda_problem *p, const
         while (r <= q[i]) tab[3 * pl->np + r++] = (int)i; /* the first piece of sequences r..q[i] */
     }
     while (r <= nseq) tab[3 * pl->np + r++] = (int)pl->np;
-    tab[3 * pl->np + nseq + 1] = 0;
+    tab[KDA__FZ_ANY(pl->np, nseq)] = 0;
     kda__free(ctx, b);
     pl->tab = tab;
     return KDA_OK;
@@ -4032,7 +4033,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     if (pl.np > N && warm >= 0) { /* every piece at once; the exact passes below only where a bound failed */
         a.fz_flags = (int *)KDA__FZ_BUF(bf);
         a.fz_fseq = pl.tab ? a.fz_piece + 3 * pl.np : NULL, a.fz_fnseg = pl.nseg; /* the flags' pieces */
-        a.fz_any = pl.tab ? (int *)a.fz_piece + 3 * pl.np + N + 1 : NULL;       /* (its 0 uploaded with the table) */
+        a.fz_any = pl.tab ? (int *)a.fz_piece + KDA__FZ_ANY(pl.np, N) : NULL;   /* (its 0 uploaded with the table) */
         grid[0] = (unsigned)pl.np; grid[1] = (unsigned)p->HV; grid[2] = 1u; /* the warm-ups' bounds first */
         if ((s = kda__chain_launch(ctx, &chained, kb, grid, &a))) goto done;
         a.fz_mode = 2;

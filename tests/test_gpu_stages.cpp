@@ -561,7 +561,7 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
     // did not, the repeat is left out there).
     const bool may_pair = !getenv("KDA_FUSED_PAIRS") && g_dev->dev->pairs && g_dev->dev->pairs(g_dev) && !strcmp(bv, "128") &&
                           ((p.V + 127) / 128 % 2 == 0 || ((p.V + 127) / 128 + (p.K + 127) / 128) % 2 == 0);
-    const bool v_paired = may_pair && (p.V + 127) / 128 % 2 == 0;
+    [[maybe_unused]] const bool v_paired = may_pair && (p.V + 127) / 128 % 2 == 0; // (the emulator's checks)
     bool paired = may_pair;
     Out o, ht, os, op, htp; // CPU (o.c, ht.c) and device fused (o.h, ht.h); device staged; device fused without pairs
     o.init(I.nv * es); ht.init(nst * 4); os.init(I.nv * es);
