@@ -76,6 +76,7 @@ export KDA_CACHE_DIR="$tmp/spec"
 check "a specialisation (softplus gate, fp32 g) compiles" '[ "$($jit get $F sm_90a 1 0 | head -n 1)" = "cache miss" ]'
 check "and is cached" '[ "$($jit get $F sm_90a 1 0 | head -n 1)" = "cache hit" ]'
 check "the generic kernel is not that file" '[ "$($jit get $F sm_90a | head -n 1)" = "cache miss" ] && [ "$(ls "$tmp/spec" | wc -l)" = 2 ]'
+check "another (lower-bound gate, bf16 g) compiles for sm_80" '[ "$($jit get $F sm_80 2 2 | head -n 1)" = "cache miss" ]'
 "$build/kda-aot" --arch sm_90a --only $F --out "$tmp/aotf" > /dev/null
 export KDA_CUBIN_DIR="$tmp/aotf"
 check "the generic kernel's AOT cubin serves the generic kernel" '[ "$($jit get $F sm_90a | head -n 1)" = aot ]'
