@@ -61,11 +61,14 @@ NVRTC_ARCH ?= sm_80 sm_90a
 nvrtc-check: $(BUILD)/kda-aot
 	./$(BUILD)/kda-aot --arch "$(NVRTC_ARCH)"
 # Ahead-of-time cubins for KDA_CUBIN_DIR (and kda_cubins.h for KDA_EMBED_CUBINS):
-#   make cubins ARCH="80 90a" [KERNELS="kda_state_bt64_bk128_bv32 ..."]
+#   make cubins ARCH="80 90a" [KERNELS="kda_state_bt64_bk128_bv32 ..."] [SPECS="1,0 0,0"]
+# SPECS: the fused forward's specialisations for these gate forms and g dtypes (kda_gate,
+# kda_dtype numbers: "1,0" is the softplus gate with fp32 g), which kda.h takes instead of
+# the generic kernels (0-7% slower) where a problem has that gate and g dtype
 ARCH ?= 90a
 cubins: $(BUILD)/kda-aot
 	./$(BUILD)/kda-aot --arch "$(ARCH)" --out $(BUILD)/cubins --embed $(BUILD)/cubins/kda_cubins.h \
-	    $(foreach k,$(KERNELS),--only $(k))
+	    $(foreach k,$(KERNELS),--only $(k)) $(foreach s,$(SPECS),--spec $(s))
 
 demo: $(BUILD)/demo
 	./$(BUILD)/demo

@@ -426,6 +426,12 @@ int kda_kernel_count(void);
 const char *kda_kernel_name(int i);
 kda_status kda_compile_kernel(kda_context *ctx, int i, const char *arch, void **cubin, size_t *size, char *file_name,
                               size_t file_name_size);
+/* The same for kernel i as a problem with this gate form and g dtype runs it: the fused
+ * forward's kernels are specialised for both (JIT does so by itself; ahead of time, a
+ * deployment brings the specialisations it wants, else it runs the generic kernels); the
+ * other kernels come out as kda_compile_kernel gives them. */
+kda_status kda_compile_kernel_gate(kda_context *ctx, int i, kda_gate gate, kda_dtype g_dtype, const char *arch, void **cubin,
+                                   size_t *size, char *file_name, size_t file_name_size);
 
 /* ---------------------------------------------------------------------------
  * Small helpers, handy for callers with fp16/bf16 data.
@@ -2080,6 +2086,16 @@ typedef struct kda__kdesc {
 #define KDA__GRID_HEAD 4
 #define KDA__GRID_FUSED 5
 
+/* A specialisation of a fused forward kernel for a problem's gate form and g dtype (1 + 3 gate
+ * + g_dtype; 0: generic, as kda_compile_kernel's are): NVRTC compiles it with both fixed
+ * (fwd_fused.cu.j2's KDA_FZ_GATE, KDA_FZ_GDT). Against the generic kernel
+ * (H100, 2026-11-26): the lower-bound gate -7%, B1 T8192 H32 -3% (Kimi-init gates -3.6%),
+ * V=256 -2%, B8 T4096 H16 and varlen -0.5 to -1%, B1 T65536 H16 even. The other kernels have
+ * no specialisations. */
+static int kda__kspec(const kda__kdesc *k, long long gate, long long g_dtype) {
+    return strncmp(k->stage, "fwd_fused", 9) ? 0 : (int)(1 + 3 * gate + g_dtype);
+}
+
 #if !defined(KDA_NO_CUDA) && defined(KDA_KERNELS_HEADER) /* e.g. a render with --custom variants */
 #include KDA_KERNELS_HEADER
 #define KDA__HAVE_KERNELS 1
@@ -2219,8 +2235,8 @@ kda_status kda_synchronize(kda_context *ctx) {
  * cubins embedded with KDA_EMBED_CUBINS, the folder KDA_CUBIN_DIR, the disk
  * cache, and finally NVRTC (whose result then goes to the disk cache). Every
  * cubin read from anywhere is verified (length, checksum, key) before use. The
- * fused forward's kernels, where NVRTC compiles them, are specialised for the
- * problem's gate form and g dtype (kda__kspec); ahead-of-time cubins are generic. */
+ * fused forward's kernels are specialised for the problem's gate form and g dtype
+ * (kda__kspec, kda__cubin_resolve). */
 #ifndef KDA_NO_CUDA
 #include <dlfcn.h>
 #include <errno.h>
@@ -2426,16 +2442,6 @@ static int kda__nvrtc_load(kda__nvrtc *nv, char *tried, size_t tried_n) {
     return 0;
 }
 
-/* A specialisation of a fused forward kernel for a problem's gate form and g dtype (1 + 3 gate
- * + g_dtype; 0: generic, as ahead-of-time cubins and kda_compile_kernel's are): NVRTC compiles
- * it with both fixed (fwd_fused.cu.j2's KDA_FZ_GATE, KDA_FZ_GDT). Against the generic kernel
- * (H100, 2026-11-26): the lower-bound gate -7%, B1 T8192 H32 -3% (Kimi-init gates -3.6%),
- * V=256 -2%, B8 T4096 H16 and varlen -0.5 to -1%, B1 T65536 H16 even. The other kernels have
- * no specialisations. */
-static int kda__kspec(const kda__kdesc *k, long long gate, long long g_dtype) {
-    return strncmp(k->stage, "fwd_fused", 9) ? 0 : (int)(1 + 3 * gate + g_dtype);
-}
-
 /* NVRTC options for an architecture ("sm_90a") and a specialisation (kda__kspec); the kernels
  * need no CUDA headers. KDA_NVRTC_LINEINFO=1 adds source line tables (profilers map samples
  * to template lines); options are part of the cache key, so such cubins are cached apart.
@@ -2569,7 +2575,8 @@ typedef struct {
     kda__CUdevice dev;
     kda__CUcontext pctx;
     int cc_major, cc_minor, async_alloc, sms, smem_optin, pdl;
-    int spec; /* 1: the fused kernels specialised per gate (kda__kspec), through NVRTC; 0: generic */
+    int spec, spec_force, aot; /* the fused kernels specialised per gate (kda__kspec); KDA_SPECIALIZE=1; ahead-of-time
+                                * cubins at hand (embedded, KDA_CUBIN_DIR) */
     char arch[16], name[128];
     char cache_dir[1024];
     int cache_state; /* 0 unknown, 1 usable, -1 unusable (warned) */
@@ -2699,11 +2706,11 @@ static void kda__cache_write_failed(kda_context *ctx, kda__cuda *c) {
 }
 
 /* Reads c but never changes it, so threads can share it (kda_warmup);
- * *write_failed tells the caller that the cache could not take the new file. A
- * specialisation (spec > 0) comes from the cache or NVRTC alone: ahead-of-time cubins
- * are generic. */
-static kda_status kda__cubin_get(kda_context *ctx, const kda__cuda *c, const kda__kdesc *k, int spec, unsigned char **out,
-                                 size_t *n, const unsigned char **payload, int *origin, int *write_failed) {
+ * *write_failed tells the caller that the cache could not take the new file. jit 0:
+ * the ahead-of-time cubins alone (KDA_ERROR_UNSUPPORTED where they have none). */
+static kda_status kda__cubin_get(kda_context *ctx, const kda__cuda *c, const kda__kdesc *k, int spec, int jit,
+                                 unsigned char **out, size_t *n, const unsigned char **payload, int *origin,
+                                 int *write_failed) {
     unsigned char aot_key[32], key[32];
     char hex[65], path[1400];
     const char *dir = getenv("KDA_CUBIN_DIR");
@@ -2711,7 +2718,7 @@ static kda_status kda__cubin_get(kda_context *ctx, const kda__cuda *c, const kda
     kda__kernel_key(k, spec, c->arch, 0, 0, aot_key);
     kda__hex(aot_key, 8, hex);
 #if defined(KDA_EMBED_CUBINS)
-    if (spec == 0) {
+    { /* (a specialisation's entry has the kernel's name and its own key) */
         size_t i;
         for (i = 0; i < sizeof kda__embedded / sizeof kda__embedded[0]; i++)
             if (!strcmp(kda__embedded[i].name, k->name) && !strcmp(kda__embedded[i].arch, c->arch) &&
@@ -2723,12 +2730,13 @@ static kda_status kda__cubin_get(kda_context *ctx, const kda__cuda *c, const kda
             }
     }
 #endif
-    if (dir && *dir && spec == 0) {
+    if (dir && *dir) {
         snprintf(path, sizeof path, "%s/%s_%s_%s.cubin", dir, k->name, c->arch, hex);
         if ((*out = kda__read_file(path, n)) && (*payload = kda__cubin_verify(*out, *n, aot_key))) { *origin = 1; return KDA_OK; }
         free(*out); /* missing or failed verification */
         *out = NULL;
     }
+    if (!jit) return KDA_ERROR_UNSUPPORTED;
     if (!c->nv_ok)
         return kda__fail(ctx, KDA_ERROR_UNSUPPORTED, "kernel %s for %s: no cubin embedded or in KDA_CUBIN_DIR, and NVRTC "
                          "is not available (tried %s); set KDA_NVRTC_PATH or provide ahead-of-time cubins", k->name,
@@ -2749,6 +2757,35 @@ static kda_status kda__cubin_get(kda_context *ctx, const kda__cuda *c, const kda
     return KDA_OK;
 }
 
+/* The cubin a launch of kernel k asks for with specialisation spec (kda__kspec), *used the
+ * specialisation it is: with ahead-of-time cubins at hand, their specialisation where they
+ * have it, else their generic kernel (a deployment that brings cubins wants no compiles;
+ * KDA_SPECIALIZE=1 compiles the specialisation all the same); elsewhere, or where they have
+ * neither, the specialisation from the cache or NVRTC. */
+static kda_status kda__cubin_resolve(kda_context *ctx, const kda__cuda *c, const kda__kdesc *k, int spec, unsigned char **out,
+                                     size_t *n, const unsigned char **payload, int *origin, int *write_failed, int *used) {
+    *used = spec;
+    if (spec && c->aot && !c->spec_force) {
+        if (kda__cubin_get(ctx, c, k, spec, 0, out, n, payload, origin, write_failed) == KDA_OK) return KDA_OK;
+        if (kda__cubin_get(ctx, c, k, 0, 0, out, n, payload, origin, write_failed) == KDA_OK) return *used = 0, KDA_OK;
+    }
+    return kda__cubin_get(ctx, c, k, spec, 1, out, n, payload, origin, write_failed);
+}
+
+/* Whether and how the fused kernels are specialised (kda__cuda's spec, spec_force, aot): by
+ * default yes, through NVRTC or from ahead-of-time cubins; KDA_SPECIALIZE=0 never, =1 through
+ * NVRTC even where ahead-of-time cubins are at hand. */
+static void kda__spec_policy(kda__cuda *c) {
+    const char *dir = getenv("KDA_CUBIN_DIR");
+    const int e = kda__env_int("KDA_SPECIALIZE", -1);
+    c->aot = dir && *dir;
+#if defined(KDA_EMBED_CUBINS)
+    c->aot = 1;
+#endif
+    c->spec_force = e > 0 && c->nv_ok;
+    c->spec = e != 0 && (c->nv_ok || c->aot);
+}
+
 static double kda__now_ms(void) {
     struct timespec t;
     timespec_get(&t, TIME_UTC); /* C11; enough for a log line */
@@ -2762,10 +2799,10 @@ static kda__CUfunction kda__cu_loaded(const kda__cuda *c, const kda__kdesc *k, i
     return NULL;
 }
 
-/* Loads the module of kernel k (specialisation spec) from its verified cubin (primary context
- * current). */
-static kda_status kda__cu_load(kda_context *ctx, kda__cuda *c, const kda__kdesc *k, int spec, const unsigned char *payload,
-                               int origin, double t0, kda__CUfunction *fn) {
+/* Loads the module of kernel k for specialisation spec from its verified cubin, that of
+ * specialisation used (kda__cubin_resolve; primary context current). */
+static kda_status kda__cu_load(kda_context *ctx, kda__cuda *c, const kda__kdesc *k, int spec, int used,
+                               const unsigned char *payload, int origin, double t0, kda__CUfunction *fn) {
     kda__kmod m;
     kda__CUresult r;
     memset(&m, 0, sizeof m);
@@ -2793,8 +2830,8 @@ static kda_status kda__cu_load(kda_context *ctx, kda__cuda *c, const kda__kdesc 
     }
     c->mods[c->nmods++] = m;
     *fn = m.fn;
-    if (spec) kda__log(ctx, "load %s (gate %d, g %s) %s %s %.1f ms", k->name, (spec - 1) / 3, kda_dtype_name((kda_dtype)((spec - 1) % 3)),
-                       c->arch, kda__origin[origin], kda__now_ms() - t0);
+    if (spec) kda__log(ctx, "load %s (gate %d, g %s%s) %s %s %.1f ms", k->name, (spec - 1) / 3, kda_dtype_name((kda_dtype)((spec - 1) % 3)),
+                       used ? "" : ": the generic kernel", c->arch, kda__origin[origin], kda__now_ms() - t0);
     else kda__log(ctx, "load %s %s %s %.1f ms", k->name, c->arch, kda__origin[origin], kda__now_ms() - t0);
     return KDA_OK;
 }
@@ -2804,14 +2841,14 @@ static kda_status kda__cu_function(kda_context *ctx, kda__cuda *c, const kda__kd
     unsigned char *buf = NULL;
     const unsigned char *payload = NULL;
     size_t n = 0;
-    int origin = 0, wfail = 0;
+    int origin = 0, wfail = 0, used = 0;
     double t0 = kda__now_ms();
     kda_status s;
     if ((*fn = kda__cu_loaded(c, k, spec))) return KDA_OK;
     kda__cache_prepare(ctx, c);
-    s = kda__cubin_get(ctx, c, k, spec, &buf, &n, &payload, &origin, &wfail);
+    s = kda__cubin_resolve(ctx, c, k, spec, &buf, &n, &payload, &origin, &wfail, &used);
     if (wfail) kda__cache_write_failed(ctx, c);
-    if (s == KDA_OK) s = kda__cu_load(ctx, c, k, spec, payload, origin, t0, fn);
+    if (s == KDA_OK) s = kda__cu_load(ctx, c, k, spec, used, payload, origin, t0, fn);
     free(buf);
     return s;
 }
@@ -2967,17 +3004,7 @@ static kda_status kda__cuda_open(kda_context *ctx) {
     c->pdl = c->cc_major >= 9 && c->cu.launch_ex && kda__env_int("KDA_PDL", 1) > 0; /* kda__cu_launch_after */
     KDA__CU(c->cu.primary_retain(&c->pctx, c->dev), "cuDevicePrimaryCtxRetain", c->name);
     c->nv_ok = kda__nvrtc_load(&c->nv, c->nv_tried, sizeof c->nv_tried) == 0;
-    /* specialisations through NVRTC (kda__kspec), unless KDA_SPECIALIZE=0, or ahead-of-time
-     * cubins are at hand (embedded, KDA_CUBIN_DIR: a deployment that brings them wants no
-     * compiles) and KDA_SPECIALIZE=1 does not ask for them all the same */
-    {
-        const char *dir = getenv("KDA_CUBIN_DIR");
-        int aot = dir && *dir;
-#if defined(KDA_EMBED_CUBINS)
-        aot = 1;
-#endif
-        c->spec = c->nv_ok && kda__env_int("KDA_SPECIALIZE", aot ? 0 : 1) > 0;
-    }
+    kda__spec_policy(c);
     kda__log(ctx, "context: cuda device %d (%s, %s), nvrtc %s%s", ctx->opt.device, c->name, c->arch,
              c->nv_ok ? "loaded" : "not found", c->spec ? ", fused kernels specialised per gate" : "");
     return KDA_OK;
@@ -2989,8 +3016,8 @@ static kda_status kda__cuda_open(kda_context *ctx) {
 int kda_kernel_count(void) { return KDA__NUM_KERNELS; }
 const char *kda_kernel_name(int i) { return i >= 0 && i < KDA__NUM_KERNELS ? kda__kernels[i].name : NULL; }
 
-kda_status kda_compile_kernel(kda_context *ctx, int i, const char *arch, void **cubin, size_t *size, char *file_name,
-                              size_t file_name_size) {
+static kda_status kda__compile_kernel(kda_context *ctx, int i, int gate, int g_dtype, const char *arch, void **cubin, size_t *size,
+                                     char *file_name, size_t file_name_size) {
     if (!ctx) return KDA_ERROR_INVALID_ARGUMENT;
     ctx->err[0] = 0;
     if (!cubin || !size || !arch) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "kda_compile_kernel: arch, cubin and size are required");
@@ -3005,13 +3032,14 @@ kda_status kda_compile_kernel(kda_context *ctx, int i, const char *arch, void **
         size_t n = 0;
         kda_status s;
         const kda__kdesc *k = &kda__kernels[i];
+        const int spec = gate < 0 ? 0 : kda__kspec(k, gate, g_dtype);
         if (kda__nvrtc_load(&nv, tried, sizeof tried) != 0)
             return kda__fail(ctx, KDA_ERROR_UNSUPPORTED, "NVRTC not found (tried %s); set KDA_NVRTC_PATH", tried);
-        s = kda__nvrtc_compile(ctx, &nv, k, 0, arch, &out, &n);
+        s = kda__nvrtc_compile(ctx, &nv, k, spec, arch, &out, &n);
         dlclose(nv.lib);
         if (s) return s;
         /* ahead-of-time files carry the AOT key (no NVRTC version in it) */
-        kda__kernel_key(k, 0, arch, 0, 0, key);
+        kda__kernel_key(k, spec, arch, 0, 0, key);
         memcpy(out + 24, key, 32);
         kda__hex(key, 8, hex);
         if (file_name) snprintf(file_name, file_name_size, "%s_%s_%s.cubin", k->name, arch, hex);
@@ -3020,9 +3048,25 @@ kda_status kda_compile_kernel(kda_context *ctx, int i, const char *arch, void **
         return KDA_OK;
     }
 #else
-    (void)file_name; (void)file_name_size;
+    (void)gate; (void)g_dtype; (void)file_name; (void)file_name_size;
     return kda__fail(ctx, KDA_ERROR_UNSUPPORTED, "built with KDA_NO_CUDA");
 #endif
+}
+kda_status kda_compile_kernel(kda_context *ctx, int i, const char *arch, void **cubin, size_t *size, char *file_name,
+                              size_t file_name_size) {
+    return kda__compile_kernel(ctx, i, -1, -1, arch, cubin, size, file_name, file_name_size);
+}
+kda_status kda_compile_kernel_gate(kda_context *ctx, int i, kda_gate gate, kda_dtype g_dtype, const char *arch, void **cubin,
+                                   size_t *size, char *file_name, size_t file_name_size) {
+    if (!ctx) return KDA_ERROR_INVALID_ARGUMENT;
+    if ((int)gate < KDA_GATE_NONE || (int)gate > KDA_GATE_LOWER_BOUND || (int)g_dtype < KDA_F32 || (int)g_dtype > KDA_BF16)
+        return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "kda_compile_kernel_gate: gate %d, g dtype %d: not a kda_gate and a kda_dtype",
+                         (int)gate, (int)g_dtype);
+    if (i >= 0 && i < KDA__NUM_KERNELS && kda__kspec(&kda__kernels[i], gate, g_dtype) &&
+        g_dtype != KDA_F32 && (int)g_dtype != kda__kernels[i].dtype)
+        return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "kda_compile_kernel_gate: %s takes g in f32 or %s, not %s",
+                         kda__kernels[i].name, kda_dtype_name((kda_dtype)kda__kernels[i].dtype), kda_dtype_name(g_dtype));
+    return kda__compile_kernel(ctx, i, (int)gate, (int)g_dtype, arch, cubin, size, file_name, file_name_size);
 }
 
 /* ------------------------------------------------------- a call's setup */
@@ -3300,7 +3344,7 @@ typedef struct {
     kda_context tmp; /* a private copy: its error buffer is this job's own */
     const kda__cuda *c;
     const kda__kdesc *k;
-    int spec;
+    int spec, used;
     unsigned char *buf;
     const unsigned char *payload;
     size_t n;
@@ -3311,7 +3355,7 @@ typedef struct {
 #ifndef KDA_NO_THREADS
 static void *kda__warm_worker(void *arg) {
     kda__wjob *j = (kda__wjob *)arg;
-    j->s = kda__cubin_get(&j->tmp, j->c, j->k, j->spec, &j->buf, &j->n, &j->payload, &j->origin, &j->wfail);
+    j->s = kda__cubin_resolve(&j->tmp, j->c, j->k, j->spec, &j->buf, &j->n, &j->payload, &j->origin, &j->wfail, &j->used);
     return NULL;
 }
 #endif
@@ -3357,8 +3401,8 @@ kda_status kda_warmup(kda_context *ctx, const kda_problem *p) {
             }
 #else
             for (i = b; i < e; i++)
-                jobs[i].s = kda__cubin_get(&jobs[i].tmp, c, jobs[i].k, jobs[i].spec, &jobs[i].buf, &jobs[i].n, &jobs[i].payload,
-                                           &jobs[i].origin, &jobs[i].wfail);
+                jobs[i].s = kda__cubin_resolve(&jobs[i].tmp, c, jobs[i].k, jobs[i].spec, &jobs[i].buf, &jobs[i].n, &jobs[i].payload,
+                                               &jobs[i].origin, &jobs[i].wfail, &jobs[i].used);
 #endif
         }
         /* then load the modules here, in order */
@@ -3370,7 +3414,8 @@ kda_status kda_warmup(kda_context *ctx, const kda_problem *p) {
                     memcpy(ctx->err, jobs[i].tmp.err, sizeof ctx->err);
                     s = jobs[i].s;
                 }
-                if (s == KDA_OK) s = kda__cu_load(ctx, c, jobs[i].k, jobs[i].spec, jobs[i].payload, jobs[i].origin, jobs[i].t0, &fn);
+                if (s == KDA_OK)
+                    s = kda__cu_load(ctx, c, jobs[i].k, jobs[i].spec, jobs[i].used, jobs[i].payload, jobs[i].origin, jobs[i].t0, &fn);
             }
             kda__cu_leave(c);
         }

@@ -958,7 +958,7 @@ static int bench_jit(const char *arch, int threads)
                         const unsigned char *payload = NULL;
                         size_t len = 0;
                         int origin = -1, wf = 0;
-                        if (kda__cubin_get(hc, c, &kda__kernels[jp.items[i].idx], 0, &buf, &len, &payload, &origin, &wf) != KDA_OK ||
+                        if (kda__cubin_get(hc, c, &kda__kernels[jp.items[i].idx], 0, 1, &buf, &len, &payload, &origin, &wf) != KDA_OK ||
                             origin != (pass == 0 ? 1 : 2))
                             bad++;
                         free(buf);

@@ -1,14 +1,19 @@
 #define _POSIX_C_SOURCE 200809L /* strdup, strtok_r, sysconf, mkdir */
 /* kda-aot: compiles the kernel table through kda.h's own NVRTC path, no GPU needed.
  *
- *   kda-aot [--arch "sm_80 sm_90a"] [--only NAME]... [--out DIR] [--embed FILE] [--threads N]
+ *   kda-aot [--arch "sm_80 sm_90a"] [--only NAME]... [--spec GATE,G_DTYPE]... [--out DIR] [--embed FILE]
+ *           [--threads N]
  *
  * Without --out it only checks that every kernel compiles (make nvrtc-check) and
  * prints "compiled N kernels for sm_80 sm_90a, F failed" with each failure's log.
  * With --out it writes each cubin (with kda's verification header) as
  * DIR/<kernel>_<arch>_<digest>.cubin, the names KDA_CUBIN_DIR is searched by, plus
  * DIR/manifest.txt; --embed also writes FILE, the header KDA_EMBED_CUBINS includes.
- * Exit status 0 only when every kernel compiled. */
+ * --spec adds, for each fused forward kernel, its specialisation for a problem with that
+ * gate form and g dtype (kda_gate, kda_dtype numbers; kda_compile_kernel_gate), which
+ * kda.h then takes from DIR or FILE instead of the generic kernel; g dtypes that a kernel
+ * never sees (f16 g for a bf16 kernel) are left out. Exit status 0 only when every kernel
+ * compiled. */
 #include <sys/stat.h>
 #define KDA_IMPLEMENTATION
 #include "../kda.h"
@@ -19,7 +24,7 @@
 #include <string.h>
 
 typedef struct {
-    int kernel;
+    int kernel, gate, g_dtype; /* gate -1: the generic kernel */
     const char *arch;
     void *cubin;
     size_t size;
@@ -42,7 +47,9 @@ static void *worker(void *arg) {
         j = next_job < njobs ? &jobs[next_job++] : NULL;
         pthread_mutex_unlock(&lock);
         if (!j) break;
-        j->status = kda_compile_kernel(ctx, j->kernel, j->arch, &j->cubin, &j->size, j->file, sizeof j->file);
+        j->status = j->gate < 0 ? kda_compile_kernel(ctx, j->kernel, j->arch, &j->cubin, &j->size, j->file, sizeof j->file)
+                                : kda_compile_kernel_gate(ctx, j->kernel, (kda_gate)j->gate, (kda_dtype)j->g_dtype, j->arch,
+                                                          &j->cubin, &j->size, j->file, sizeof j->file);
         if (j->status != KDA_OK) j->error = strdup(kda_last_error(ctx));
     }
     kda_context_destroy(ctx);
@@ -84,7 +91,7 @@ int main(int argc, char **argv) {
     const char *archs = "sm_80 sm_90a", *out = NULL, *embed = NULL;
     const char *only[256];
     char arch_list[256], arch_buf[8][32], *a, *save = NULL, *arch_v[8];
-    int nonly = 0, narch = 0, nthreads = 0, i, k, failed = 0;
+    int nonly = 0, narch = 0, nthreads = 0, i, k, failed = 0, nspec = 0, spec[9][2], x;
     pthread_t tid[64];
     for (i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--arch") && i + 1 < argc) archs = argv[++i];
@@ -92,8 +99,13 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--out") && i + 1 < argc) out = argv[++i];
         else if (!strcmp(argv[i], "--embed") && i + 1 < argc) embed = argv[++i];
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) nthreads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--spec") && i + 1 < argc && nspec < 9 &&
+                 sscanf(argv[i + 1], "%d,%d", &spec[nspec][0], &spec[nspec][1]) == 2 && spec[nspec][0] >= 0 &&
+                 spec[nspec][0] <= 2 && spec[nspec][1] >= 0 && spec[nspec][1] <= 2)
+            nspec++, i++;
         else {
-            fprintf(stderr, "usage: kda-aot [--arch \"sm_80 sm_90a\"] [--only NAME]... [--out DIR] [--embed FILE] [--threads N]\n");
+            fprintf(stderr, "usage: kda-aot [--arch \"sm_80 sm_90a\"] [--only NAME]... [--spec GATE,G_DTYPE]... [--out DIR] "
+                            "[--embed FILE] [--threads N]\n");
             return 2;
         }
     }
@@ -103,11 +115,20 @@ int main(int argc, char **argv) {
         arch_v[narch] = arch_buf[narch];
         narch++;
     }
-    jobs = (job *)calloc((size_t)kda_kernel_count() * (size_t)narch + 1, sizeof(job));
+    jobs = (job *)calloc((size_t)kda_kernel_count() * (size_t)narch * (size_t)(nspec + 1) + 1, sizeof(job));
     for (k = 0; k < kda_kernel_count(); k++) {
+        const char *name = kda_kernel_name(k);
+        const int fused = !strncmp(name, "kda_fwd_fused", 13), bf = strstr(name, "dtypebf16") != NULL; /* (kda__kspec's kernels) */
         int keep = nonly == 0;
-        for (i = 0; i < nonly; i++) keep |= !strcmp(only[i], kda_kernel_name(k));
-        for (i = 0; keep && i < narch; i++) { jobs[njobs].kernel = k; jobs[njobs].arch = arch_v[i]; njobs++; }
+        for (i = 0; i < nonly; i++) keep |= !strcmp(only[i], name);
+        for (x = -1; keep && x < (fused ? nspec : 0); x++) {
+            if (x >= 0 && spec[x][1] != KDA_F32 && spec[x][1] != (bf ? KDA_BF16 : KDA_F16)) continue; /* g f32 or the kernel's */
+            for (i = 0; i < narch; i++) {
+                jobs[njobs].kernel = k, jobs[njobs].arch = arch_v[i];
+                jobs[njobs].gate = x < 0 ? -1 : spec[x][0], jobs[njobs].g_dtype = x < 0 ? -1 : spec[x][1];
+                njobs++;
+            }
+        }
     }
     if (njobs == 0) { fprintf(stderr, "kda-aot: no kernel selected (%d in the table)\n", kda_kernel_count()); return 2; }
     if (nthreads <= 0) nthreads = (int)sysconf(_SC_NPROCESSORS_ONLN);
@@ -117,7 +138,8 @@ int main(int argc, char **argv) {
     for (i = 0; i < njobs; i++)
         if (jobs[i].status != KDA_OK) {
             failed++;
-            printf("FAILED %s %s: %s\n", kda_kernel_name(jobs[i].kernel), jobs[i].arch, jobs[i].error ? jobs[i].error : "?");
+            printf("FAILED %s %s (gate %d, g %d): %s\n", kda_kernel_name(jobs[i].kernel), jobs[i].arch, jobs[i].gate, jobs[i].g_dtype,
+                   jobs[i].error ? jobs[i].error : "?");
         }
     if (out) {
         char path[1024];
@@ -126,17 +148,19 @@ int main(int argc, char **argv) {
         mkdir(out, 0755);
         m = fopen(path, "w");
         if (!m) { fprintf(stderr, "kda-aot: cannot write %s\n", path); return 1; }
-        fprintf(m, "# kda %s cubins: file kernel arch bytes\n", KDA_VERSION_STRING);
+        fprintf(m, "# kda %s cubins: file kernel arch bytes [gate g_dtype: a specialisation]\n", KDA_VERSION_STRING);
         for (i = 0; i < njobs; i++) {
             if (jobs[i].status != KDA_OK) continue;
             snprintf(path, sizeof path, "%s/%s", out, jobs[i].file);
             if (write_file(path, jobs[i].cubin, jobs[i].size)) failed++;
-            fprintf(m, "%s %s %s %zu\n", jobs[i].file, kda_kernel_name(jobs[i].kernel), jobs[i].arch, jobs[i].size);
+            fprintf(m, "%s %s %s %zu", jobs[i].file, kda_kernel_name(jobs[i].kernel), jobs[i].arch, jobs[i].size);
+            if (jobs[i].gate >= 0) fprintf(m, " %d %d", jobs[i].gate, jobs[i].g_dtype);
+            fprintf(m, "\n");
         }
         fclose(m);
     }
     if (embed && write_embed(embed)) failed++;
-    printf("compiled %d kernels for", njobs / narch);
+    printf("compiled %d kernels%s for", njobs / narch, nspec ? " (specialisations included)" : "");
     for (i = 0; i < narch; i++) printf(" %s", arch_v[i]);
     printf(", %d failed\n", failed);
     for (i = 0; i < njobs; i++) { free(jobs[i].cubin); free(jobs[i].error); }

@@ -4,11 +4,13 @@
  *
  *   test_jit get NAME [ARCH [GATE G_DTYPE]]
  *                              prints "embedded" | "aot" | "cache hit" | "cache miss"
- *                              and exits 0, or prints the error and exits 1; in
+ *                              and "specialised" | "generic", and exits 0, or prints the error and exits 1; in
  *                              both cases it then runs a small CPU forward and
  *                              prints "cpu ok" (the CPU path works without NVRTC).
- *                              GATE G_DTYPE (kda_gate, kda_dtype numbers): the
- *                              specialisation a problem with them asks for (kda__kspec)
+ *                              GATE G_DTYPE (kda_gate, kda_dtype numbers): what a
+ *                              launch for a problem with them gets (kda__kspec,
+ *                              kda__cubin_resolve: KDA_SPECIALIZE and KDA_CUBIN_DIR
+ *                              decide between the specialisation and the generic kernel)
  *   test_jit list              the kernel names */
 #define KDA_IMPLEMENTATION
 #include "../kda.h"
@@ -41,7 +43,7 @@ int main(int argc, char **argv) {
     unsigned char *buf = NULL;
     const unsigned char *payload = NULL;
     size_t n = 0;
-    int i, origin = 0, wfail = 0, rc;
+    int i, origin = 0, wfail = 0, rc, spec, used = 0;
     kda_status s;
     if (argc >= 2 && !strcmp(argv[1], "list")) {
         for (i = 0; i < kda_kernel_count(); i++) printf("%s\n", kda_kernel_name(i));
@@ -59,10 +61,12 @@ int main(int argc, char **argv) {
     snprintf(c.arch, sizeof c.arch, "%s", argc > 3 ? argv[3] : "sm_90a");
     c.nv_ok = kda__nvrtc_load(&c.nv, c.nv_tried, sizeof c.nv_tried) == 0;
     kda__cache_prepare(ctx, &c);
-    s = kda__cubin_get(ctx, &c, k, argc > 5 ? kda__kspec(k, atoi(argv[4]), atoi(argv[5])) : 0, &buf, &n, &payload, &origin, &wfail);
+    kda__spec_policy(&c); /* as a CUDA context sets it: KDA_SPECIALIZE, ahead-of-time cubins at hand */
+    spec = argc > 5 && c.spec ? kda__kspec(k, atoi(argv[4]), atoi(argv[5])) : 0;
+    s = kda__cubin_resolve(ctx, &c, k, spec, &buf, &n, &payload, &origin, &wfail, &used);
     if (wfail) kda__cache_write_failed(ctx, &c);
     if (s == KDA_OK && payload) {
-        printf("%s\n", kda__origin[origin]);
+        printf("%s\n%s\n", kda__origin[origin], used ? "specialised" : "generic");
         rc = 0;
     } else {
         printf("error %s: %s\n", kda_status_string(s), kda_last_error(ctx));

@@ -71,24 +71,34 @@ unset KDA_CUBIN_DIR
 
 # a fused kernel's specialisation for a gate form and g dtype (kda__kspec): a cache file of
 # its own, and never the generic kernel's ahead-of-time cubin
-F=kda_fwd_fused_dtypebf16_bk64_bv64_varlen0
+F=kda_fwd_fused_dtypebf16_bk64_bv64_varlen0 F2=kda_fwd_fused_dtypef16_bk64_bv64_varlen0
 export KDA_CACHE_DIR="$tmp/spec"
-check "a specialisation (softplus gate, fp32 g) compiles" '[ "$($jit get $F sm_90a 1 0 | head -n 1)" = "cache miss" ]'
+check "a specialisation (softplus gate, fp32 g) compiles" '[ "$($jit get $F sm_90a 1 0 | head -n 2 | xargs)" = "cache miss specialised" ]'
 check "and is cached" '[ "$($jit get $F sm_90a 1 0 | head -n 1)" = "cache hit" ]'
 check "the generic kernel is not that file" '[ "$($jit get $F sm_90a | head -n 1)" = "cache miss" ] && [ "$(ls "$tmp/spec" | wc -l)" = 2 ]'
-check "another (lower-bound gate, bf16 g) compiles for sm_80" '[ "$($jit get $F sm_80 2 2 | head -n 1)" = "cache miss" ]'
-"$build/kda-aot" --arch sm_90a --only $F --out "$tmp/aotf" > /dev/null
-export KDA_CUBIN_DIR="$tmp/aotf"
-check "the generic kernel's AOT cubin serves the generic kernel" '[ "$($jit get $F sm_90a | head -n 1)" = aot ]'
-check "but not a specialisation" '[ "$($jit get $F sm_90a 1 0 | head -n 1)" = "cache hit" ]'
+check "another (lower-bound gate, bf16 g) compiles for sm_80" '[ "$($jit get $F sm_80 2 2 | head -n 2 | xargs)" = "cache miss specialised" ]'
+check "KDA_SPECIALIZE=0: the generic kernel" '[ "$(KDA_SPECIALIZE=0 $jit get $F sm_90a 1 0 | head -n 2 | xargs)" = "cache hit generic" ]'
+# ahead-of-time cubins: a deployment's specialisations where it brought them, else its
+# generic kernels, never a compile (unless KDA_SPECIALIZE=1)
+"$build/kda-aot" --arch sm_90a --only $F --spec 1,0 --spec 1,1 --out "$tmp/aotf" > /dev/null
+check "kda-aot --spec: the generic kernel and the specialisation (not f16 g for a bf16 kernel)" \
+    '[ "$(grep -c "^${F}_sm_90a_" "$tmp/aotf/manifest.txt")" = 2 ] && grep -q "^${F}_sm_90a_.* 1 0$" "$tmp/aotf/manifest.txt"'
+export KDA_CUBIN_DIR="$tmp/aotf" KDA_CACHE_DIR="$tmp/spec_aot"
+check "a specialisation from its AOT cubin, without NVRTC" '[ "$(KDA_NVRTC_PATH=$tmp/no $jit get $F sm_90a 1 0 | head -n 2 | xargs)" = "aot specialised" ]'
+check "another gate without its AOT cubin: the generic one, no compile" \
+    '[ "$($jit get $F sm_90a 0 0 | head -n 2 | xargs)" = "aot generic" ] && [ -z "$(ls "$tmp/spec_aot" 2>/dev/null)" ]'
+check "KDA_SPECIALIZE=1 compiles it all the same" '[ "$(KDA_SPECIALIZE=1 $jit get $F sm_90a 0 0 | head -n 2 | xargs)" = "cache miss specialised" ]'
+check "a kernel the AOT cubins lack: its specialisation compiled" '[ "$($jit get $F2 sm_90a 0 0 | head -n 2 | xargs)" = "cache miss specialised" ]'
 unset KDA_CUBIN_DIR
 export KDA_CACHE_DIR="$tmp/cache"
-check "a kernel outside the fused forward has no specialisations" '[ "$($jit get $K sm_90a 1 0 | head -n 1)" = "cache hit" ]'
+check "a kernel outside the fused forward has no specialisations" '[ "$($jit get $K sm_90a 1 0 | head -n 2 | xargs)" = "cache hit generic" ]'
 
 # embedded cubins (KDA_EMBED_CUBINS): no file, no NVRTC
-"$build/kda-aot" --arch sm_90a --only $K --out "$tmp/emb" --embed "$tmp/emb/kda_cubins.h" > /dev/null
+"$build/kda-aot" --arch sm_90a --only $K --only $F --spec 1,0 --out "$tmp/emb" --embed "$tmp/emb/kda_cubins.h" > /dev/null
 ${CC:-cc} -std=c11 -O1 -DKDA_EMBED_CUBINS -I"$tmp/emb" -o "$tmp/jit_emb" tests/test_jit.c -lm -lpthread -ldl
 check "embedded cubin loads with no NVRTC and no files" '[ "$(KDA_NVRTC_PATH=$tmp/no $tmp/jit_emb get $K | head -n 1)" = embedded ]'
+check "an embedded specialisation too, beside its generic kernel" \
+    '[ "$(KDA_NVRTC_PATH=$tmp/no $tmp/jit_emb get $F sm_90a 1 0 | head -n 2 | xargs)" = "embedded specialised" ] && [ "$(KDA_NVRTC_PATH=$tmp/no $tmp/jit_emb get $F sm_90a | head -n 2 | xargs)" = "embedded generic" ]'
 
 # the generator: the committed output is a fresh render; a custom variant renders and compiles
 check "kernels_generated/ equals a fresh render of templates/" 'python3 gen/kda_gen.py --check > /dev/null'
