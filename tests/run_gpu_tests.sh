@@ -29,8 +29,8 @@ run() { # name, command...: a program that ends with "N passed, N failed"
     summary+=("| $name | \`$*\` | $line |")
 }
 run "every kernel vs its CPU twin, whole ops" "$build/test_gpu"
-# the fused forward's kernels as ahead-of-time cubins have them: generic in the gate (the run
-# above takes kda.h's specialisations per gate form and g dtype)
+# the fused forward's generic kernels (the gate read at run time: kda_compile_kernel's, and
+# ahead-of-time cubins made without SPECS); the run above takes kda.h's specialisations
 run "the fused forward, generic kernels (KDA_SPECIALIZE=0)" env KDA_SPECIALIZE=0 "$build/test_gpu" --quick fused
 run "properties and finite-difference gradients on the GPU" "$build/test_props_gpu"
 run "numerical stress" "$build/test_gpu_stress"

@@ -70,7 +70,7 @@ check "a corrupt AOT cubin is refused" 'KDA_NVRTC_PATH=$tmp/no $jit get $K | hea
 unset KDA_CUBIN_DIR
 
 # a fused kernel's specialisation for a gate form and g dtype (kda__kspec): a cache file of
-# its own, and never the generic kernel's ahead-of-time cubin
+# its own; KDA_SPECIALIZE=0 turns it off
 F=kda_fwd_fused_dtypebf16_bk64_bv64_varlen0 F2=kda_fwd_fused_dtypef16_bk64_bv64_varlen0
 export KDA_CACHE_DIR="$tmp/spec"
 check "a specialisation (softplus gate, fp32 g) compiles" '[ "$($jit get $F sm_90a 1 0 | head -n 2 | xargs)" = "cache miss specialised" ]'
