@@ -2095,6 +2095,9 @@ typedef struct kda__kdesc {
 static int kda__kspec(const kda__kdesc *k, long long gate, long long g_dtype) {
     return strncmp(k->stage, "fwd_fused", 9) ? 0 : (int)(1 + 3 * gate + g_dtype);
 }
+/* Whether a problem can give fused kernel k its g in g_dtype: fp32 or k's own dtype (as
+ * kda__check_problem requires), so that a specialisation for it is ever launched */
+static int kda__kspec_takes(const kda__kdesc *k, long long g_dtype) { return g_dtype == KDA_F32 || g_dtype == k->dtype; }
 
 #if !defined(KDA_NO_CUDA) && defined(KDA_KERNELS_HEADER) /* e.g. a render with --custom variants */
 #include KDA_KERNELS_HEADER
@@ -2785,6 +2788,10 @@ static void kda__spec_policy(kda__cuda *c) {
     c->spec_force = e > 0 && c->nv_ok;
     c->spec = e != 0 && (c->nv_ok || c->aot);
 }
+/* The specialisation a launch of kernel k asks c for, for a problem with this gate and g dtype */
+static int kda__kspec_of(const kda__cuda *c, const kda__kdesc *k, long long gate, long long g_dtype) {
+    return c->spec ? kda__kspec(k, gate, g_dtype) : 0;
+}
 
 static double kda__now_ms(void) {
     struct timespec t;
@@ -2885,7 +2892,7 @@ static kda_status kda__cu_launch_pdl(kda_context *ctx, const kda__kdesc *k, cons
     kda__CUresult r;
     kda_status s;
     if ((s = kda__cu_enter(ctx, c))) return s;
-    if ((s = kda__cu_function(ctx, c, k, c->spec ? kda__kspec(k, a->gate, a->g_dtype) : 0, &fn))) { kda__cu_leave(c); return s; }
+    if ((s = kda__cu_function(ctx, c, k, kda__kspec_of(c, k, a->gate, a->g_dtype), &fn))) { kda__cu_leave(c); return s; }
     args[0] = &copy;
     if (pdl || pair) {
         memset(at, 0, sizeof at);
@@ -3062,8 +3069,7 @@ kda_status kda_compile_kernel_gate(kda_context *ctx, int i, kda_gate gate, kda_d
     if ((int)gate < KDA_GATE_NONE || (int)gate > KDA_GATE_LOWER_BOUND || (int)g_dtype < KDA_F32 || (int)g_dtype > KDA_BF16)
         return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "kda_compile_kernel_gate: gate %d, g dtype %d: not a kda_gate and a kda_dtype",
                          (int)gate, (int)g_dtype);
-    if (i >= 0 && i < KDA__NUM_KERNELS && kda__kspec(&kda__kernels[i], gate, g_dtype) &&
-        g_dtype != KDA_F32 && (int)g_dtype != kda__kernels[i].dtype)
+    if (i >= 0 && i < KDA__NUM_KERNELS && kda__kspec(&kda__kernels[i], gate, g_dtype) && !kda__kspec_takes(&kda__kernels[i], g_dtype))
         return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "kda_compile_kernel_gate: %s takes g in f32 or %s, not %s",
                          kda__kernels[i].name, kda_dtype_name((kda_dtype)kda__kernels[i].dtype), kda_dtype_name(g_dtype));
     return kda__compile_kernel(ctx, i, (int)gate, (int)g_dtype, arch, cubin, size, file_name, file_name_size);
@@ -3376,7 +3382,7 @@ kda_status kda_warmup(kda_context *ctx, const kda_problem *p) {
         kda__cache_prepare(ctx, c);
         for (i = 0; i < n && i < 32; i++) {
             const kda__kdesc *k = &kda__kernels[idx[i]];
-            const int spec = c->spec ? kda__kspec(k, p->gate, p->g_dtype) : 0; /* (as kda__cu_launch_pdl asks) */
+            const int spec = kda__kspec_of(c, k, p->gate, p->g_dtype); /* (as kda__cu_launch_pdl asks) */
             int dup = 0, j;
             for (j = 0; j < nj; j++) dup |= jobs[j].k == k;
             if (dup || kda__cu_loaded(c, k, spec)) continue;

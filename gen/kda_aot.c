@@ -117,12 +117,12 @@ int main(int argc, char **argv) {
     }
     jobs = (job *)calloc((size_t)kda_kernel_count() * (size_t)narch * (size_t)(nspec + 1) + 1, sizeof(job));
     for (k = 0; k < kda_kernel_count(); k++) {
-        const char *name = kda_kernel_name(k);
-        const int fused = !strncmp(name, "kda_fwd_fused", 13), bf = strstr(name, "dtypebf16") != NULL; /* (kda__kspec's kernels) */
+        const kda__kdesc *kd = &kda__kernels[k];
+        const int fused = kda__kspec(kd, 0, 0) != 0; /* (kernels with specialisations) */
         int keep = nonly == 0;
-        for (i = 0; i < nonly; i++) keep |= !strcmp(only[i], name);
+        for (i = 0; i < nonly; i++) keep |= !strcmp(only[i], kd->name);
         for (x = -1; keep && x < (fused ? nspec : 0); x++) {
-            if (x >= 0 && spec[x][1] != KDA_F32 && spec[x][1] != (bf ? KDA_BF16 : KDA_F16)) continue; /* g f32 or the kernel's */
+            if (x >= 0 && !kda__kspec_takes(kd, spec[x][1])) continue; /* a g dtype no problem gives it */
             for (i = 0; i < narch; i++) {
                 jobs[njobs].kernel = k, jobs[njobs].arch = arch_v[i];
                 jobs[njobs].gate = x < 0 ? -1 : spec[x][0], jobs[njobs].g_dtype = x < 0 ? -1 : spec[x][1];

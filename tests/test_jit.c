@@ -62,7 +62,7 @@ int main(int argc, char **argv) {
     c.nv_ok = kda__nvrtc_load(&c.nv, c.nv_tried, sizeof c.nv_tried) == 0;
     kda__cache_prepare(ctx, &c);
     kda__spec_policy(&c); /* as a CUDA context sets it: KDA_SPECIALIZE, ahead-of-time cubins at hand */
-    spec = argc > 5 && c.spec ? kda__kspec(k, atoi(argv[4]), atoi(argv[5])) : 0;
+    spec = argc > 5 ? kda__kspec_of(&c, k, atoi(argv[4]), atoi(argv[5])) : 0;
     s = kda__cubin_resolve(ctx, &c, k, spec, &buf, &n, &payload, &origin, &wfail, &used);
     if (wfail) kda__cache_write_failed(ctx, &c);
     if (s == KDA_OK && payload) {
