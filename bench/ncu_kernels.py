@@ -19,6 +19,9 @@ import csv
 import signal
 
 
+SCALE = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}  # to microseconds
+
+
 def launches(path):
     """[(kernel, grid, microseconds)] in launch order, from an ncu --csv file (program output
     before the table is skipped)"""
@@ -29,7 +32,10 @@ def launches(path):
     for r in rows[head + 1:]:
         if len(r) != len(rows[head]) or r[ix["Metric Name"]] != "gpu__time_duration.sum":
             continue
-        scale = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}.get(r[ix["Metric Unit"]], 1e-3)
+        unit = r[ix["Metric Unit"]]
+        if unit not in SCALE:
+            raise SystemExit(f"{path}: a duration in {unit!r}, a unit this script does not know")
+        scale = SCALE[unit]
         seen[r[ix["ID"]]] = (r[ix["Kernel Name"]], r[ix["Grid Size"]], float(r[ix["Metric Value"]].replace(",", "")) * scale)
     return [seen[k] for k in sorted(seen, key=int)]
 
