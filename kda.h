@@ -3890,27 +3890,37 @@ static double kda__fused_chunk_cost(kda_context *ctx, const kda__kdesc *k, const
  * columns give 64), and its plan with its piece table. KDA_FUSED_BV forces kf. With the
  * bounded split (warm >= 0), *pe is the plan of the exact passes that redo the sequences and
  * heads where its bound fails, cut for them (no warm-up; the transition pass's identity
- * columns): with Kimi Linear's gates, which fail it, B1 T8192 H32 in 5 pieces against the
- * bounded split's 4 took 0.676 ms against 0.742 (H100, 2026-11-25). Without it *pe is *pl. */
-static const kda__kdesc *kda__fused_variant(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf,
-                                            const long long *len, long long nseq, long long cap, long long warm,
-                                            kda__fz_plan *pl, kda__fz_plan *pe, kda_status *st) {
-    const kda__kdesc *best = kf;
+ * columns), and *ke their value tile, picked for them alike: with Kimi Linear's gates, which
+ * fail it, B1 T8192 H32 in 5 pieces against the bounded split's 4 took 0.676 ms against 0.742
+ * (H100, 2026-11-25), and K128 V256 B2 T8192 H16 0.677 ms in the exact split's 64-column blocks
+ * against 0.701 in the bounded split's 128-column pairs (H100, 2026-11-27). Without it *pe is
+ * *pl and *ke the tile. */
+static kda_status kda__fused_best(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const long long *len,
+                                  long long nseq, long long cap, long long warm, kda__fz_plan *pl, const kda__kdesc **best) {
     kda__fz_plan o_pl;
+    kda_status st;
     int i, optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
-    if ((*st = kda__fused_plan(ctx, p, kf, len, nseq, cap, warm, pl))) return NULL;
+    *best = kf;
+    if ((st = kda__fused_plan(ctx, p, kf, len, nseq, cap, warm, pl))) return st;
     pl->time *= kda__fused_chunk_cost(ctx, kf, p);
     for (i = getenv("KDA_FUSED_BV") ? KDA__NUM_KERNELS : 0; i < KDA__NUM_KERNELS; i++) {
         const kda__kdesc *o = &kda__kernels[i];
         if (o == kf || !kda__fused_sibling(o, kf) || (optin > 0 && o->smem > optin)) continue;
-        if ((*st = kda__fused_plan(ctx, p, o, len, nseq, cap, warm, &o_pl))) return NULL;
+        if ((st = kda__fused_plan(ctx, p, o, len, nseq, cap, warm, &o_pl))) return st;
         o_pl.time *= kda__fused_chunk_cost(ctx, o, p);
-        if (o_pl.time < pl->time) best = o, *pl = o_pl;
+        if (o_pl.time < pl->time) *best = o, *pl = o_pl;
     }
-    if ((*st = kda__fused_table(ctx, p, len, nseq, warm, pl))) return NULL;
+    return kda__fused_table(ctx, p, len, nseq, warm, pl);
+}
+static const kda__kdesc *kda__fused_variant(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf,
+                                            const long long *len, long long nseq, long long cap, long long warm,
+                                            kda__fz_plan *pl, kda__fz_plan *pe, const kda__kdesc **ke, kda_status *st) {
+    const kda__kdesc *best;
+    if ((*st = kda__fused_best(ctx, p, kf, len, nseq, cap, warm, pl, &best))) return NULL;
     *pe = *pl;
+    *ke = best;
     if (warm < 0) return best;
-    if ((*st = kda__fused_plan(ctx, p, best, len, nseq, cap, -1, pe)) || (*st = kda__fused_table(ctx, p, len, nseq, -1, pe))) {
+    if ((*st = kda__fused_best(ctx, p, kf, len, nseq, cap, -1, pe, ke))) {
         kda__free(ctx, pl->tab);
         pl->tab = NULL;
         return NULL;
@@ -3943,7 +3953,7 @@ typedef struct {
 typedef struct {
     kda__fz_key key;
     long long *len;
-    const kda__kdesc *chosen;
+    const kda__kdesc *chosen, *exact; /* the tiles of pl and pe */
     kda__fz_plan pl, pe;
 } kda__fz_memo;
 /* frees the tables of a variant's two plans (*pe's lies in *pl's allocation, or is it) */
@@ -3962,7 +3972,7 @@ static void kda__fused_forget(kda_context *ctx) {
 /* kda__fused_variant through the memo: the plans' tables belong to the context (do not free them) */
 static const kda__kdesc *kda__fused_memo(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const long long *len,
                                          long long nseq, long long cap, long long warm, kda__fz_plan *pl, kda__fz_plan *pe,
-                                         kda_status *st) {
+                                         const kda__kdesc **ke, kda_status *st) {
     const char *es = getenv("KDA_SEGMENTS"), *eb = getenv("KDA_FUSED_BV");
     kda__fz_memo *m = (kda__fz_memo *)ctx->fz_memo;
     kda__fz_key key;
@@ -3975,11 +3985,12 @@ static const kda__kdesc *kda__fused_memo(kda_context *ctx, const kda_problem *p,
     if (m && !memcmp(&m->key, &key, sizeof key) && !memcmp(m->len, len, sizeof(long long) * (size_t)nseq)) {
         *pl = m->pl;
         *pe = m->pe;
+        *ke = m->exact;
         *st = KDA_OK;
         return m->chosen;
     }
     kda__fused_forget(ctx);
-    if (!(k = kda__fused_variant(ctx, p, kf, len, nseq, cap, warm, pl, pe, st)) || *st) return k;
+    if (!(k = kda__fused_variant(ctx, p, kf, len, nseq, cap, warm, pl, pe, ke, st)) || *st) return k;
     m = (kda__fz_memo *)kda__alloc(ctx, sizeof *m);
     keep = (long long *)kda__alloc(ctx, sizeof(long long) * (size_t)(nseq > 0 ? nseq : 1));
     if (!m || !keep) { /* the plan cannot be kept: fail rather than leak its table */
@@ -3990,7 +4001,7 @@ static const kda__kdesc *kda__fused_memo(kda_context *ctx, const kda_problem *p,
         return NULL;
     }
     memcpy(keep, len, sizeof(long long) * (size_t)nseq);
-    m->key = key, m->len = keep, m->chosen = k, m->pl = *pl, m->pe = *pe;
+    m->key = key, m->len = keep, m->chosen = k, m->exact = *ke, m->pl = *pl, m->pe = *pe;
     ctx->fz_memo = m;
     return k;
 }
@@ -4023,7 +4034,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     const kda__kdesc *kc = kda__kernel_find(ctx, KDA__STAGE_FWD_COMBINE, p);
     const kda__kdesc *kb = kc ? kda__kernel_find(ctx, KDA__STAGE_FWD_BOUND, p) : NULL; /* the warm-ups' check */
     /* the bounded split where it applies and was rendered */
-    long long N = c->s.N, nvb, ncb, warm = kda__fused_bounded(kf) ? kda__fused_warmup(p) : -1;
+    long long N = c->s.N, nvb, nve, ncb, warm = kda__fused_bounded(kf) ? kda__fused_warmup(p) : -1;
     /* a split keeps, per piece and value head, its end state and transition ([V + K][K],
      * fz_trans), its start state ([V][K], fz_start) and the bounded split's flag (fz_flags);
      * a piece table takes 3 ints a piece and one a sequence (two tables where the exact passes
@@ -4040,20 +4051,23 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     kda__fz_plan pl, pe;
     kda__kparams a;
     kda_status s;
-    const kda__kdesc *pairs, *pairs_b, *pairs_t; /* kf's pairs kernel and its bounded one, where the column blocks go in
-                                                  * pairs, and the transition pass's (value and identity blocks) */
+    const kda__kdesc *ke; /* the exact passes' value tile (the bounded split's may differ) */
+    const kda__kdesc *pairs, *pairs_b, *pairs_t; /* the output pass's pairs kernel and the bounded pass's, where the column
+                                                  * blocks go in pairs, and the transition pass's (value and identity blocks) */
     if (!kc || !kb) return KDA_ERROR_UNSUPPORTED;
     if (kda__fz_maxnch(c->s.len, N) == 0) return KDA_OK;
     /* a caller's workspace bounds the pieces */
     if (ctx->workspace)
         cap = ctx->workspace_size > fixed ? (long long)((ctx->workspace_size - fixed) / (trans + start + flags + 6 * sizeof(int))) : 0;
-    kf = kda__fused_memo(ctx, p, kf, c->s.len, N, cap, warm, &pl, &pe, &s);
+    kf = kda__fused_memo(ctx, p, kf, c->s.len, N, cap, warm, &pl, &pe, &ke, &s);
     if (s) return s;
     nvb = kda__fused_vblocks(kf, p);
     pairs = kda__fused_pairs(ctx, kf, p, 0);
     pairs_b = pairs && warm >= 0 ? kda__fused_pairs(ctx, kda__fused_bounded(kf), p, 0) : NULL;
     if (!pairs_b && warm >= 0) pairs = NULL; /* (both passes in pairs, or neither) */
-    if (pl.np <= N) pe = pl; /* no split: whole sequences in the output pass */
+    if (pl.np <= N) pe = pl, ke = kf; /* no split: whole sequences in the output pass */
+    else if (ke != kf) pairs = kda__fused_pairs(ctx, ke, p, 0); /* the exact passes in a tile of their own */
+    nve = kda__fused_vblocks(ke, p);
     if (pl.np > N) bf = (size_t)pl.np * flags;
     if (pe.np > N) bt = (size_t)pe.np * trans, bs = (size_t)pe.np * start;
     if (pl.tab) tp = sizeof(int) * KDA__FZ_TAB(pl.np, N);
@@ -4062,7 +4076,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     kda__log(ctx, "%s: %lld piece(s) for %lld sequence(s), at most %lld a sequence%s%s", kf->name, pl.np, N, pl.nseg,
              pl.np > N && warm >= 0 ? ", bounded split" : "", pairs ? ", column blocks in pairs" : "");
     if (pl.np > N && warm >= 0)
-        kda__log(ctx, "%s: where a bound fails, the exact split in %lld piece(s), at most %lld a sequence", kf->name, pe.np, pe.nseg);
+        kda__log(ctx, "%s: where a bound fails, the exact split in %lld piece(s), at most %lld a sequence", ke->name, pe.np, pe.nseg);
     if ((s = kda__ws_acquire(ctx, tb + slack + bt + bs + bf + tp + te, &ws, &owned))) goto done;
     if ((s = kda__tables_upload(ctx, c, ws))) goto done;
     c->ht = out->ht;
@@ -4097,16 +4111,16 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
         a.fz_trans = (float *)KDA__FZ_BUF(bt);
         a.fz_start = (float *)KDA__FZ_BUF(bs);
         a.fz_mode = 1; /* segment transitions: nvb + nkb column blocks, in pairs where they pair */
-        ncb = nvb + kda__fused_kblocks(kf, p);
+        ncb = nve + kda__fused_kblocks(ke, p);
         KDA__FZ_GRID(pe, ncb);
-        pairs_t = kda__fused_pairs(ctx, kf, p, 1);
-        if ((s = kda__chain_launch(ctx, &chained, pairs_t ? pairs_t : kf, grid, &a))) goto done;
+        pairs_t = kda__fused_pairs(ctx, ke, p, 1);
+        if ((s = kda__chain_launch(ctx, &chained, pairs_t ? pairs_t : ke, grid, &a))) goto done;
         grid[0] = (unsigned)N; grid[1] = (unsigned)p->HV; grid[2] = (unsigned)((p->V + KDA__COMBINE_COLS - 1) / KDA__COMBINE_COLS);
         if ((s = kda__chain_launch(ctx, &chained, kc, grid, &a))) goto done;
     }
     a.fz_mode = 0; /* the output pass */
-    KDA__FZ_GRID(pe, nvb);
-    s = kda__chain_launch(ctx, &chained, pairs ? pairs : kf, grid, &a);
+    KDA__FZ_GRID(pe, nve);
+    s = kda__chain_launch(ctx, &chained, pairs ? pairs : ke, grid, &a);
 #undef KDA__FZ_GRID
 #undef KDA__FZ_BUF
 done:

@@ -928,6 +928,93 @@ static void run_fused_exact_plan_times_every_candidate() {
     kda_context_destroy(ctx);
 }
 
+// The exact passes pick their own value tile (host only), K128 V256 B2 T8192 H16 on 132
+// multiprocessors: the bounded split runs 128-column pairs, while the exact passes that redo
+// it where a bound fails run 64-column blocks, the tile and plan the exact split alone
+// (KDA_SPLIT=exact) takes.
+static void run_fused_exact_passes_pick_their_own_tile() {
+    t_current = "fused";
+    static kda__devops ops = emu_ops;
+    ops.sm_count = emu_sms_h100;
+    kda_context *ctx = NULL;
+    CHECK(kda__context_create_dev(&ctx, KDA_BACKEND_CUDA, &ops, NULL, NULL) == KDA_OK, "exact tile: no context");
+    if (!ctx) return;
+    kda_problem p = kda_problem_default(2, 8192, 16, 128, 256);
+    p.dtype = KDA_BF16; p.qk_l2norm = 1;
+    const kda__kdesc *kf = NULL, *ke = NULL, *kb, *kx, *kxe;
+    for (int i = 0; i < KDA__NUM_KERNELS; i++)
+        if (!strcmp(kda__kernels[i].name, "kda_fwd_fused_dtypebf16_bk128_bv128_varlen0")) kf = &kda__kernels[i];
+    const long long len[2] = {8192, 8192};
+    kda__fz_plan pl, pe, xl, xe;
+    kda_status st = KDA_OK;
+    memset(&pl, 0, sizeof pl); memset(&pe, 0, sizeof pe); memset(&xl, 0, sizeof xl); memset(&xe, 0, sizeof xe);
+    kb = kf ? kda__fused_variant(ctx, &p, kf, len, 2, LLONG_MAX, 16, &pl, &pe, &ke, &st) : NULL;
+    CHECK(kb && ke && st == KDA_OK, "exact tile: %s", kda_last_error(ctx));
+    kx = kf && kb ? kda__fused_variant(ctx, &p, kf, len, 2, LLONG_MAX, -1, &xl, &xe, &kxe, &st) : NULL;
+    CHECK(kx && kxe == kx && st == KDA_OK, "exact tile, the exact split alone: %s", kda_last_error(ctx));
+    if (kb && ke && kx) {
+        CHECK(kb->bv == 128 && ke->bv == 64, "exact tile: the bounded split's tile %d (want 128), the exact passes' %d (want 64)",
+              kb->bv, ke->bv);
+        CHECK(ke == kx && pe.np == xl.np && pe.nseg == xl.nseg,
+              "exact tile: the exact passes' tile %d in %lld pieces, the exact split alone's %d in %lld", ke->bv, pe.np, kx->bv, xl.np);
+    }
+    kda__fused_drop(ctx, &pl, &pe);
+    kda__fused_drop(ctx, &xl, &xe);
+    kda_context_destroy(ctx);
+}
+
+// End to end, where every warm-up's bound fails (Kimi Linear's initialised gates): K128 V256
+// T320 on 6 multiprocessors, the bounded split runs 128-column pairs in 3 pieces and the exact
+// passes redo it whole in 64-column blocks, their own tile, with the bits of the exact split
+// alone (KDA_SPLIT=exact), which runs that tile and plan without the bounded pass.
+static int emu_sms_6(kda_context *) { return 6; }
+static void run_fused_failed_bounds_redone_in_the_exact_tile() {
+    t_current = "fused";
+    static kda__devops ops = emu_ops;
+    ops.sm_count = emu_sms_6;
+    kda_context *ctx = NULL;
+    CHECK(kda__context_create_dev(&ctx, KDA_BACKEND_CUDA, &ops, NULL, NULL) == KDA_OK, "exact tile e2e: no context");
+    if (!ctx) return;
+    kda_problem p0 = kda_problem_default(1, 320, 1, 128, 256);
+    p0.dtype = KDA_BF16; p0.qk_l2norm = 1; p0.gate = KDA_GATE_SOFTPLUS;
+    t_inst I;
+    t_inst_init(&I, &p0, NULL, 1, 0);
+    unsigned rng = 777u;
+    auto uni = [&]() { rng = rng * 1664525u + 1013904223u; return (double)(rng >> 8) / 16777216.0; };
+    I.A_log[0] = (float)log(1.0 + 15.0 * uni());
+    for (int d = 0; d < 128; d++) I.dt_bias[d] = (float)log(expm1(exp(log(1e-3) + uni() * (log(1e-1) - log(1e-3)))));
+    for (size_t i = 0; i < I.ng; i++) I.g[i] = (float)t_randn();
+    for (size_t i = 0; i < I.nb; i++) I.beta[i] = (float)uni();
+    DevIn X;
+    dev_inputs(X, I);
+    const size_t ob = I.nv * kda_dtype_size(I.p.dtype);
+    Out o[2], ht[2];
+    int bv[2] = {0, 0};
+    bool bounded[2] = {false, false};
+    setenv("KDA_WARMUP", "2", 1);
+    for (int run = 0; run < 2; run++) { // the bounded split, then the exact split alone
+        o[run].init(ob); ht[run].init(I.ns * 4);
+        kda_fwd_outputs out;
+        memset(&out, 0, sizeof out);
+        out.o = o[run].d, out.ht = (float *)ht[run].d;
+        if (run) setenv("KDA_SPLIT", "exact", 1);
+        emu_flags.clear();
+        CHECK(kda_chunk_fwd(ctx, &I.p, &X.dev, &out) == KDA_OK, "exact tile e2e: fwd %d: %s", run, kda_last_error(ctx));
+        bv[run] = emu_fused_bv, bounded[run] = !emu_flags.empty();
+        unsetenv("KDA_SPLIT");
+    }
+    unsetenv("KDA_WARMUP");
+    o[0].fetch(); o[1].fetch(); ht[0].fetch(); ht[1].fetch();
+    CHECK(bounded[0] && !bounded[1], "exact tile e2e: the bounded pass ran %d (want 1), with KDA_SPLIT=exact %d (want 0)",
+          (int)bounded[0], (int)bounded[1]);
+    CHECK(bv[0] == 64 && bv[1] == 64, "exact tile e2e: the output pass's tile %d after the bounded split, %d alone (want 64)", bv[0], bv[1]);
+    CHECK(!memcmp(o[0].h.data(), o[1].h.data(), ob) && !memcmp(ht[0].h.data(), ht[1].h.data(), I.ns * 4),
+          "exact tile e2e: o and ht after the failed bounded split are not the exact split's");
+    dfree_all();
+    t_inst_free(&I);
+    kda_context_destroy(ctx);
+}
+
 // The fused forward keeps its plan for calls that repeat it and makes a new one when the
 // lengths change: after a batch of 200, 35 and 100 tokens, one of 35, 200 and 100 (same
 // problem, same total) gets the pieces and the bits of a fresh context.
@@ -1269,6 +1356,8 @@ int main(int argc, char **argv) {
 #ifdef KDA_TEST_EMU
         run_fused_replans_for_new_lengths();
         run_fused_exact_plan_times_every_candidate();
+        run_fused_exact_passes_pick_their_own_tile();
+        if (!race) run_fused_failed_bounds_redone_in_the_exact_tile();
         if (!race) run_fused_bound_flags_match_the_warmup_sums(); // (values, not races: the bounded splits above run both kernels under --race)
 #endif
 #ifdef KDA_TEST_EMU
