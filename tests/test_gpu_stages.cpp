@@ -905,19 +905,28 @@ static void run_fused_plan_model() {
 // before 4 pieces' 160 blocks in two waves of 128). Timing only the last candidate of a
 // wave count, as the bounded split may, counts the output pass's blocks and gives 4. On
 // the H100 with Kimi Linear's gates: 5 pieces 0.676 ms, 4 pieces 0.742 (2026-11-25).
-static int emu_sms_h100(kda_context *) { return 132; }
+static int emu_sms_n; // multiprocessors the plan tests' device reports (one context at a time)
+static int emu_sms(kda_context *) { return emu_sms_n; }
+static kda_context *emu_ctx_sms(int sms, const char *what) {
+    static kda__devops ops = emu_ops;
+    ops.sm_count = emu_sms;
+    emu_sms_n = sms;
+    kda_context *ctx = NULL;
+    CHECK(kda__context_create_dev(&ctx, KDA_BACKEND_CUDA, &ops, NULL, NULL) == KDA_OK, "%s: no context", what);
+    return ctx;
+}
+static const kda__kdesc *emu_fused_128(void) { // the bf16 fused kernel with 128 keys and columns, fixed lengths
+    for (int i = 0; i < KDA__NUM_KERNELS; i++)
+        if (!strcmp(kda__kernels[i].name, "kda_fwd_fused_dtypebf16_bk128_bv128_varlen0")) return &kda__kernels[i];
+    return NULL;
+}
 static void run_fused_exact_plan_times_every_candidate() {
     t_current = "fused";
-    static kda__devops ops = emu_ops;
-    ops.sm_count = emu_sms_h100;
-    kda_context *ctx = NULL;
-    CHECK(kda__context_create_dev(&ctx, KDA_BACKEND_CUDA, &ops, NULL, NULL) == KDA_OK, "exact plan: no context");
+    kda_context *ctx = emu_ctx_sms(132, "exact plan");
     if (!ctx) return;
     kda_problem p = kda_problem_default(1, 8192, 32, 128, 128);
     p.dtype = KDA_BF16; p.qk_l2norm = 1;
-    const kda__kdesc *kf = NULL;
-    for (int i = 0; i < KDA__NUM_KERNELS; i++)
-        if (!strcmp(kda__kernels[i].name, "kda_fwd_fused_dtypebf16_bk128_bv128_varlen0")) kf = &kda__kernels[i];
+    const kda__kdesc *kf = emu_fused_128();
     const long long len = 8192;
     kda__fz_plan bounded, exact;
     memset(&bounded, 0, sizeof bounded); memset(&exact, 0, sizeof exact);
@@ -934,16 +943,11 @@ static void run_fused_exact_plan_times_every_candidate() {
 // (KDA_SPLIT=exact) takes.
 static void run_fused_exact_passes_pick_their_own_tile() {
     t_current = "fused";
-    static kda__devops ops = emu_ops;
-    ops.sm_count = emu_sms_h100;
-    kda_context *ctx = NULL;
-    CHECK(kda__context_create_dev(&ctx, KDA_BACKEND_CUDA, &ops, NULL, NULL) == KDA_OK, "exact tile: no context");
+    kda_context *ctx = emu_ctx_sms(132, "exact tile");
     if (!ctx) return;
     kda_problem p = kda_problem_default(2, 8192, 16, 128, 256);
     p.dtype = KDA_BF16; p.qk_l2norm = 1;
-    const kda__kdesc *kf = NULL, *ke = NULL, *kb, *kx, *kxe;
-    for (int i = 0; i < KDA__NUM_KERNELS; i++)
-        if (!strcmp(kda__kernels[i].name, "kda_fwd_fused_dtypebf16_bk128_bv128_varlen0")) kf = &kda__kernels[i];
+    const kda__kdesc *kf = emu_fused_128(), *ke = NULL, *kb, *kx, *kxe;
     const long long len[2] = {8192, 8192};
     kda__fz_plan pl, pe, xl, xe;
     kda_status st = KDA_OK;
@@ -967,13 +971,9 @@ static void run_fused_exact_passes_pick_their_own_tile() {
 // T320 on 6 multiprocessors, the bounded split runs 128-column pairs in 3 pieces and the exact
 // passes redo it whole in 64-column blocks, their own tile, with the bits of the exact split
 // alone (KDA_SPLIT=exact), which runs that tile and plan without the bounded pass.
-static int emu_sms_6(kda_context *) { return 6; }
 static void run_fused_failed_bounds_redone_in_the_exact_tile() {
     t_current = "fused";
-    static kda__devops ops = emu_ops;
-    ops.sm_count = emu_sms_6;
-    kda_context *ctx = NULL;
-    CHECK(kda__context_create_dev(&ctx, KDA_BACKEND_CUDA, &ops, NULL, NULL) == KDA_OK, "exact tile e2e: no context");
+    kda_context *ctx = emu_ctx_sms(6, "exact tile e2e");
     if (!ctx) return;
     kda_problem p0 = kda_problem_default(1, 320, 1, 128, 256);
     p0.dtype = KDA_BF16; p0.qk_l2norm = 1; p0.gate = KDA_GATE_SOFTPLUS;
