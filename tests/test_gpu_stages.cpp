@@ -514,6 +514,8 @@ static std::vector<Cfg> fused_configs() {
     p = kda_problem_default(2, 63, 2, 60, 36); p.dtype = KDA_BF16; p.g_dtype = KDA_BF16; p.gate = KDA_GATE_SOFTPLUS;
     p.qk_l2norm = 1;
     v.push_back({"fused_B2_T63_K60_V36_bf16g_unaligned_rows", p, {}, 1, 0});
+    p.gate = KDA_GATE_LOWER_BOUND; p.lower_bound = -5.0f; p.g_dtype = KDA_F32; p.K = 56; p.V = 40; // (rows and channels past the 64-key tile)
+    v.push_back({"fused_B2_T63_K56_V40_lowerbound_rateless", p, {}, 1, 0});
     // several column blocks (V = 144: the last block's columns past V masked; bv 64: 3 blocks;
     // bv 128: two, on Hopper and in the emulator a pair sharing its factors), fixed lengths and
     // varlen, K 128 and 64 (small: the emulator runs these under the sanitizers in CI)
@@ -528,11 +530,12 @@ static std::vector<Cfg> fused_configs() {
 // token from token 17 through chunk 2 (strong: 58 (base 2) a half chunk, past the four-tile
 // bound: factored through row 7 with exponents near 2^58; the other half keeps the state, so
 // o still depends on it), or by 3.8 a token (edge: 44 a half chunk, under the bound: four
-// tiles with exponents near 2^88)
-enum FusedGate { GATE_PLAIN, GATE_WIDE, GATE_STRONG, GATE_EDGE };
+// tiles with exponents near 2^88); or (rateless) exp(A_log) underflows to 0: the lower-bound
+// gate is lb / 2 everywhere, and g's -inf padding must still gate to 0
+enum FusedGate { GATE_PLAIN, GATE_WIDE, GATE_STRONG, GATE_EDGE, GATE_RATELESS };
 static FusedGate fused_gate(const Cfg &cf) {
     return strstr(cf.name, "wide") ? GATE_WIDE : strstr(cf.name, "strong") ? GATE_STRONG
-         : strstr(cf.name, "edge") ? GATE_EDGE : GATE_PLAIN;
+         : strstr(cf.name, "edge") ? GATE_EDGE : strstr(cf.name, "rateless") ? GATE_RATELESS : GATE_PLAIN;
 }
 // (bv: the value tile, KDA_FUSED_BV; the automatic choice takes 64 on problems this small)
 static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const char *bv) {
@@ -541,7 +544,9 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
     t_current = "fused";
     t_inst_init(&I, &cf.p, cf.cu.empty() ? NULL : cf.cu.data(), cf.has_h0, 0);
     const kda_problem &p = I.p;
-    if (gate != GATE_PLAIN) { // g = -softplus(raw + dt_bias); chunk 0 stays in range
+    if (gate == GATE_RATELESS)
+        for (int c = 0; c < p.HV; c++) I.A_log[c] = -200.0f;
+    else if (gate != GATE_PLAIN) { // g = -softplus(raw + dt_bias); chunk 0 stays in range
         for (int c = 0; c < p.HV; c++) I.A_log[c] = 0.0f;
         for (size_t r = 17; r < (size_t)p.B * p.T; r++)
             for (int c = 0; c < p.HV * p.K; c++) {
