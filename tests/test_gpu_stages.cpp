@@ -772,6 +772,22 @@ static void run_fused_bounded_split(int K, int late, bool varlen, const char *bv
 }
 
 #ifdef KDA_TEST_EMU
+// A seeded uniform in [0, 1) (an LCG): a test's own values, apart from t_randn's stream
+struct Uni {
+    unsigned s;
+    double operator()() { s = s * 1664525u + 1013904223u; return (double)(s >> 8) / 16777216.0; }
+};
+// Kimi Linear's initialisation (kda-bench --gate kimi) for the softplus gate: raw g = randn,
+// A = U(1, 16) a head, dt_bias = log(expm1(dt)), dt = exp U(log 1e-3, log 1e-1) a channel;
+// its slow channels fail every warm-up
+static void kimi_gates(t_inst &I, int HV, int K, Uni &uni) {
+    for (int hv = 0; hv < HV; hv++) {
+        I.A_log[hv] = (float)log(1.0 + 15.0 * uni());
+        for (int d = 0; d < K; d++) I.dt_bias[hv * K + d] = (float)log(expm1(exp(log(1e-3) + uni() * (log(1e-1) - log(1e-3)))));
+    }
+    for (size_t i = 0; i < I.ng; i++) I.g[i] = (float)t_randn();
+}
+
 // fwd_bound flags a piece exactly where its warm-up's bound B (the sum over its tokens of the
 // largest gate, base 2) exceeds -24: each gate form and g dtype, per-channel biases, K that
 // takes the rows' 4-value loads (64, 128) and K that does not (50), fixed lengths and varlen.
@@ -784,8 +800,7 @@ static void run_fused_bound_flags_match_the_warmup_sums() {
         {KDA_GATE_SOFTPLUS, KDA_F32, 128, true, false, -2.0, 1.5},
         {KDA_GATE_LOWER_BOUND, KDA_F16, 64, false, false, -4.0, 0.5},   // -5 sigmoid(z): its largest at the smallest z
         {KDA_GATE_LOWER_BOUND, KDA_BF16, 128, true, false, -4.0, 0.5},
-        // Kimi Linear's initialisation (kda-bench --gate kimi): raw g = randn, A = U(1, 16),
-        // dt_bias = log(expm1(dt)), dt = exp U(log 1e-3, log 1e-1); its slow channels fail every warm-up
+        // Kimi Linear's initialisation (kimi_gates): its slow channels fail every warm-up
         {KDA_GATE_SOFTPLUS, KDA_F32, 128, false, true, 0.0, 0.0},
     };
     kda_context *cpu = t_cpu();
@@ -801,8 +816,7 @@ static void run_fused_bound_flags_match_the_warmup_sums() {
         t_inst I;
         t_inst_init(&I, &p0, c.varlen ? cu.data() : NULL, 1, 0);
         const kda_problem &p = I.p;
-        unsigned rng = 12345u + (unsigned)c.K;
-        auto uni = [&]() { rng = rng * 1664525u + 1013904223u; return (double)(rng >> 8) / 16777216.0; };
+        Uni uni{12345u + (unsigned)c.K};
         for (int hv = 0; hv < HV && I.A_log; hv++) { // (the gated forms')
             I.A_log[hv] = (float)(0.3 * (uni() - 0.5));
             for (int d = 0; d < c.K; d++) I.dt_bias[hv * c.K + d] = (float)(0.4 * (uni() - 0.5));
@@ -812,11 +826,7 @@ static void run_fused_bound_flags_match_the_warmup_sums() {
                 for (int d = 0; d < c.K; d++)
                     I.g[((size_t)t * HV + hv) * c.K + d] = (float)(c.lo + (c.hi - c.lo) * hv / (HV - 1) + 0.6 * (uni() - 0.5));
         for (size_t i = 0; i < I.nb; i++) I.beta[i] = (float)uni(); // in [0, 1): no b fails
-        for (int hv = 0; hv < HV && c.kimi; hv++) {
-            I.A_log[hv] = (float)log(1.0 + 15.0 * uni());
-            for (int d = 0; d < c.K; d++) I.dt_bias[hv * c.K + d] = (float)log(expm1(exp(log(1e-3) + uni() * (log(1e-1) - log(1e-3)))));
-        }
-        for (size_t i = 0; i < I.ng && c.kimi; i++) I.g[i] = (float)t_randn();
+        if (c.kimi) kimi_gates(I, HV, c.K, uni);
         DevIn X;
         dev_inputs(X, I);
         Out o, ht;
@@ -984,11 +994,8 @@ static void run_fused_failed_bounds_redone_in_the_exact_tile() {
     p0.dtype = KDA_BF16; p0.qk_l2norm = 1; p0.gate = KDA_GATE_SOFTPLUS;
     t_inst I;
     t_inst_init(&I, &p0, NULL, 1, 0);
-    unsigned rng = 777u;
-    auto uni = [&]() { rng = rng * 1664525u + 1013904223u; return (double)(rng >> 8) / 16777216.0; };
-    I.A_log[0] = (float)log(1.0 + 15.0 * uni());
-    for (int d = 0; d < 128; d++) I.dt_bias[d] = (float)log(expm1(exp(log(1e-3) + uni() * (log(1e-1) - log(1e-3)))));
-    for (size_t i = 0; i < I.ng; i++) I.g[i] = (float)t_randn();
+    Uni uni{777u};
+    kimi_gates(I, 1, 128, uni);
     for (size_t i = 0; i < I.nb; i++) I.beta[i] = (float)uni();
     DevIn X;
     dev_inputs(X, I);
