@@ -93,6 +93,14 @@ typedef enum kda_gate {
     KDA_GATE_LOWER_BOUND = 2  /* a = lower_bound * sigmoid(c * (g + dt_bias)), c = exp(A_log[hv]) or 1 */
 } kda_gate;
 
+/* A step's log decay below KDA_LOG_DECAY_MIN counts as KDA_LOG_DECAY_MIN: a decay of 2^-256,
+ * zero in float32, so the step forgets the state totally, as exp(a) does. Every path (chunk,
+ * fused, recurrent; CPU and GPU) takes it, which is what makes a = -inf (g = -inf, or the
+ * softplus gate of g = +inf) forget instead of giving NaN in the chunk form's differences of
+ * cumulative sums, and keeps those sums small enough that the steps after a huge one keep
+ * their precision. Its gradient below the floor is 0. NaN stays NaN. */
+#define KDA_LOG_DECAY_MIN (-177.445678223346) /* -256 ln 2 */
+
 typedef enum kda_layout { KDA_STATE_KV = 0, KDA_STATE_VK = 1 } kda_layout;
 typedef enum kda_index_type { KDA_INDEX_I32 = 0, KDA_INDEX_I64 = 1 } kda_index_type;
 
@@ -1235,17 +1243,21 @@ static void kda__cpu_init(kda__cpu *c, const kda_problem *p, const kda_inputs *i
 #define KDA__RQ(c) ((size_t)(c)->H * (c)->K)   /* [rows,H,K] */
 #define KDA__AT(base, row, rs, hv, d) ((base) + (size_t)(row) * (rs) + (size_t)(hv) * (d))
 
+/* (NaN compares false: it stays NaN) */
+static double kda__log_decay_floor(double a) { return a < KDA_LOG_DECAY_MIN ? KDA_LOG_DECAY_MIN : a; }
+
+/* a step's log decay from g's value x (spec 2.4), floored */
 static double kda__gate_value(const kda_problem *p, const kda_inputs *in, int hv, int d, double x) {
     double z = x + (in->dt_bias ? (double)in->dt_bias[(size_t)hv * p->K + d] : 0.0);
     if (p->gate == KDA_GATE_SOFTPLUS) {
         double sp = z > 20.0 ? z : log1p(exp(z));
-        return -exp((double)in->A_log[hv]) * sp;
+        return kda__log_decay_floor(-exp((double)in->A_log[hv]) * sp);
     }
     if (p->gate == KDA_GATE_LOWER_BOUND) {
         double cz = (in->A_log ? exp((double)in->A_log[hv]) : 1.0) * z;
-        return (double)p->lower_bound / (1.0 + exp(-cz));
+        return (double)p->lower_bound / (1.0 + exp(-cz)); /* (above lower_bound >= -5) */
     }
-    return x;
+    return kda__log_decay_floor(x);
 }
 
 static float kda__beta_value(const kda_problem *p, float b) {
@@ -1310,10 +1322,7 @@ static void kda__gate_cumsum_task(void *arg, long long item, float *scratch) {
         size_t off = ((size_t)(ch.t0 + i) * c->HV + hv) * c->K;
         double *G = c->w->G + off;
         kda__ld_row(x, c->in->g, c->p->g_dtype, off, c->K);
-        if (c->p->gate == KDA_GATE_NONE)
-            for (d = 0; d < c->K; d++) acc[d] += x[d];
-        else
-            for (d = 0; d < c->K; d++) acc[d] += kda__gate_value(c->p, c->in, hv, d, (double)x[d]);
+        for (d = 0; d < c->K; d++) acc[d] += kda__gate_value(c->p, c->in, hv, d, (double)x[d]);
         for (d = 0; d < c->K; d++) G[d] = acc[d] * 1.4426950408889634; /* 1/ln2 */
     }
 }
@@ -1842,13 +1851,15 @@ static void kda__bgate_task(void *arg, long long item, float *scratch) {
     for (r = 0; r < rows; r++) {
         size_t off = ((size_t)r * c->HV + hv) * K;
         for (d = 0; d < K; d++) {
-            double dy = c->w->dgate[off + d], dx = dy;
-            if (p->gate != KDA_GATE_NONE) {
-                double z = (double)kda__ld(in->g, p->g_dtype, off + d) + (in->dt_bias ? in->dt_bias[(size_t)hv * K + d] : 0.0);
+            double dy = c->w->dgate[off + d], dx = dy, x = (double)kda__ld(in->g, p->g_dtype, off + d);
+            if (p->gate == KDA_GATE_NONE) {
+                if (x < KDA_LOG_DECAY_MIN) dx = 0.0; /* (the floor's gradient) */
+            } else {
+                double z = x + (in->dt_bias ? in->dt_bias[(size_t)hv * K + d] : 0.0);
                 if (p->gate == KDA_GATE_SOFTPLUS) {
-                    double sp = z > 20.0 ? z : log1p(exp(z));
-                    dx = -A * dy / (1.0 + exp(-z));
-                    dA += dy * (-A * sp);
+                    double a = -A * (z > 20.0 ? z : log1p(exp(z)));
+                    if (a < KDA_LOG_DECAY_MIN) dx = 0.0;
+                    else dx = -A * dy / (1.0 + exp(-z)), dA += dy * a;
                 } else {
                     double s = 1.0 / (1.0 + exp(-A * z));
                     dx = dy * p->lower_bound * s * (1.0 - s) * A;

@@ -516,6 +516,13 @@ static std::vector<Cfg> fused_configs() {
     v.push_back({"fused_B2_T63_K60_V36_bf16g_unaligned_rows", p, {}, 1, 0});
     p.gate = KDA_GATE_LOWER_BOUND; p.lower_bound = -5.0f; p.g_dtype = KDA_F32; p.K = 56; p.V = 40; // (rows and channels past the 64-key tile)
     v.push_back({"fused_B2_T63_K56_V40_lowerbound_rateless", p, {}, 1, 0});
+    // steps of -inf decay (cut): g as given, and the softplus gate of g = +inf with exp(A_log) past
+    // FLT_MAX on one head (bf16 g); l2norm, so that segments 2 and 3 take the bounded split
+    p = kda_problem_default(2, 70, 1, 64, 40); p.dtype = KDA_BF16; p.qk_l2norm = 1;
+    v.push_back({"fused_B2_T70_K64_V40_cut", p, {}, 1, 0});
+    p = kda_problem_default(1, 75, 1, 128, 32); p.HV = 2; p.dtype = KDA_BF16; p.g_dtype = KDA_BF16;
+    p.gate = KDA_GATE_SOFTPLUS; p.qk_l2norm = 1;
+    v.push_back({"fused_B1_T75_K128_V32_cut_softplus_bf16g", p, {}, 1, 0});
     // several column blocks (V = 144: the last block's columns past V masked; bv 64: 3 blocks;
     // bv 128: two, on Hopper and in the emulator a pair sharing its factors), fixed lengths and
     // varlen, K 128 and 64 (small: the emulator runs these under the sanitizers in CI)
@@ -531,11 +538,15 @@ static std::vector<Cfg> fused_configs() {
 // bound: factored through row 7 with exponents near 2^58; the other half keeps the state, so
 // o still depends on it), or by 3.8 a token (edge: 44 a half chunk, under the bound: four
 // tiles with exponents near 2^88); or (rateless) exp(A_log) underflows to 0: the lower-bound
-// gate is lb / 2 everywhere, and g's -inf padding must still gate to 0
-enum FusedGate { GATE_PLAIN, GATE_WIDE, GATE_STRONG, GATE_EDGE, GATE_RATELESS };
+// gate is lb / 2 everywhere, and g's -inf padding must still gate to 0; or (cut) steps of
+// -inf decay: every 23rd token at every channel, every 23rd (+9) at half of them (-inf and
+// -1e30 by turns; the softplus gate: g = +inf and 1e30), and with the softplus gate
+// exp(A_log) = inf on the last head (every step forgets, and the padding must still gate to 0)
+enum FusedGate { GATE_PLAIN, GATE_WIDE, GATE_STRONG, GATE_EDGE, GATE_RATELESS, GATE_CUT };
 static FusedGate fused_gate(const Cfg &cf) {
     return strstr(cf.name, "wide") ? GATE_WIDE : strstr(cf.name, "strong") ? GATE_STRONG
-         : strstr(cf.name, "edge") ? GATE_EDGE : strstr(cf.name, "rateless") ? GATE_RATELESS : GATE_PLAIN;
+         : strstr(cf.name, "edge") ? GATE_EDGE : strstr(cf.name, "rateless") ? GATE_RATELESS
+         : strstr(cf.name, "cut") ? GATE_CUT : GATE_PLAIN;
 }
 // (bv: the value tile, KDA_FUSED_BV; the automatic choice takes 64 on problems this small)
 static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const char *bv) {
@@ -546,7 +557,15 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
     const kda_problem &p = I.p;
     if (gate == GATE_RATELESS)
         for (int c = 0; c < p.HV; c++) I.A_log[c] = -200.0f;
-    else if (gate != GATE_PLAIN) { // g = -softplus(raw + dt_bias); chunk 0 stays in range
+    else if (gate == GATE_CUT) {
+        const float s = p.gate == KDA_GATE_NONE ? -1.0f : 1.0f; // (a = -inf: g = -inf, or softplus of +inf)
+        for (size_t r = 0; r < (size_t)p.B * p.T; r++)
+            for (int c = 0; c < p.HV * p.K; c++) {
+                if (r % 23 == 5) I.g[r * p.HV * p.K + c] = s * INFINITY;
+                if (r % 23 == 14 && c % 2 == 0) I.g[r * p.HV * p.K + c] = s * (c % 4 ? 1e30f : INFINITY);
+            }
+        if (I.A_log) I.A_log[p.HV - 1] = 100.0f;
+    } else if (gate != GATE_PLAIN) { // g = -softplus(raw + dt_bias); chunk 0 stays in range
         for (int c = 0; c < p.HV; c++) I.A_log[c] = 0.0f;
         for (size_t r = 17; r < (size_t)p.B * p.T; r++)
             for (int c = 0; c < p.HV * p.K; c++) {
@@ -614,7 +633,10 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
     CHECK(eo <= 1e-2, "%s (segments %s, bv %s): o error %.3g", cf.name, segments, bv, eo);
     CHECK(eh <= 1e-2, "%s (segments %s, bv %s): ht error %.3g", cf.name, segments, bv, eh);
     CHECK(memcmp(o.h.data(), os.h.data(), I.nv * es) != 0, "%s: fused o equals the staged o bit for bit", cf.name);
-    printf("  %s segments=%s bv=%s: o %.2e ht %.2e\n", cf.name, segments, bv, eo, eh);
+    // the staged kernels (fp32 math, as the CPU's) round o as the CPU does but for last-bit flips
+    const double es_ = err_t(o.c.data(), os.h.data(), I.nv, p.dtype);
+    CHECK(es_ <= 1e-3, "%s (segments %s, bv %s): the staged path's o error %.3g", cf.name, segments, bv, es_);
+    printf("  %s segments=%s bv=%s: o %.2e ht %.2e (staged o %.2e)\n", cf.name, segments, bv, eo, eh, es_);
     dfree_all();
     t_inst_free(&I);
     kda_context_destroy(cpu);

@@ -1,6 +1,6 @@
 /* tests/test_gpu_stress.c - numerical stress on the GPU: extreme gates and inputs
  * must give no NaN or Inf, and stay close to the CPU path on the same inputs.
- *   1. 10% of g at -1000 (total forgetting), precomputed decay
+ *   1. 10% of g at -1000 (total forgetting), precomputed decay; then at -inf and -1e30
  *   2. the bounded gate at lower_bound -5 over T = 65536
  *   3. gates near 0 (g = -1e-6) over T = 65536: almost no forgetting
  *   4. large unnormalised q and k (x100, no l2norm)
@@ -117,6 +117,10 @@ int main(void) {
     for (i = 0; i < I.ng; i++)
         if (t_unif() < 0.1) I.g[i] = -1000.0f;
     stress("g_minus_1000", &I, 1e-5);
+    /* the same at -inf and -1e30 (floored to KDA_LOG_DECAY_MIN: -inf - -inf must not give NaN) */
+    for (i = 0; i < I.ng; i++)
+        if (I.g[i] == -1000.0f) I.g[i] = i % 2 ? -INFINITY : -1e30f;
+    stress("g_minus_inf", &I, 1e-5);
     t_inst_free(&I);
     /* 2. the bounded gate at its limit, long sequence */
     p = kda_problem_default(1, 65536, 1, 64, 64);

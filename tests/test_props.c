@@ -3,7 +3,8 @@
  * equals separate runs, chained calls equal one call, [V,K] equals transposed
  * [K,V], GVA equals repeated q/k heads, decode token by token equals the chunked
  * forward, intermediate states are the chunk-start states, thread count does
- * not change a bit, and the fp16/bf16 conversions round to nearest even. */
+ * not change a bit, a step of -inf decay cuts the sequence, and the fp16/bf16
+ * conversions round to nearest even. */
 #define KDA_IMPLEMENTATION
 #include "../kda.h"
 #ifdef KDA_TEST_GPU /* the same properties on the GPU: build/test_props_gpu */
@@ -174,6 +175,63 @@ static void test_varlen_equals_sequences_run_separately(void) {
     t_grads_free(&G);
     t_inst_free(&I);
     kda_context_destroy(ctx);
+}
+
+/* A log decay of -inf at every key channel of a step (g = -inf, or the softplus gate of
+ * g = +inf; -1e30 on some channels: floored to KDA_LOG_DECAY_MIN, a decay of 2^-256) forgets
+ * the state: o, ht and every gradient are those of two sequences cut there, the second from a
+ * zero state, and g's gradient at the cut is 0 (the floor's). The cut (row 23) is inside a
+ * chunk, where the chunk form's differences of cumulative sums gave -inf - -inf = NaN. */
+static void t_check_cut(const char *name, kda_gate gate) {
+    const int cut = 23;
+    long long cu[3] = {0, cut, 61};
+    kda_problem p = kda_problem_default(1, 61, 1, 10, 7), pv;
+    kda_context *ctx = t_cpu();
+    t_inst I, S;
+    t_grads G, GS;
+    float *o, *ht, *os, *hts;
+    size_t st = (size_t)2 * 10 * 7, rk = (size_t)2 * 10, i;
+    int d;
+    t_current = name;
+    p.HV = 2; p.chunk_size = 16; p.gate = gate; p.qk_l2norm = 1; p.beta_sigmoid = 1;
+    t_inst_init(&I, &p, NULL, 1, 1);
+    pv = p; pv.num_seqs = 2; pv.seqlens_type = KDA_INDEX_I64;
+    t_inst_init(&S, &pv, cu, 1, 1); /* the same data, cut in two */
+    memcpy(S.q, I.q, I.nq * 4); memcpy(S.k, I.k, I.nq * 4); memcpy(S.v, I.v, I.nv * 4); memcpy(S.g, I.g, I.ng * 4);
+    memcpy(S.beta, I.beta, I.nb * 4); memcpy(S.dout, I.dout, I.nv * 4);
+    if (gate) { memcpy(S.A_log, I.A_log, 2 * 4); memcpy(S.dt_bias, I.dt_bias, rk * 4); }
+    memcpy(S.h0, I.h0, st * 4); memset(S.h0 + st, 0, st * 4);
+    memset(S.dht, 0, st * 4); memcpy(S.dht + st, I.dht, st * 4);
+    for (d = 0; d < 10; d++) { /* head 0 all -inf; head 1 -inf and -1e30 by turns (raw +inf: a = -inf) */
+        I.g[cut * rk + d] = gate ? INFINITY : -INFINITY;
+        I.g[cut * rk + 10 + d] = gate ? (d % 2 ? INFINITY : 1e30f) : (d % 2 ? -INFINITY : -1e30f);
+    }
+    t_grads_alloc(&G, &I); t_grads_alloc(&GS, &S);
+    o = t_alloc(I.nv); ht = t_alloc(I.ns); os = t_alloc(S.nv); hts = t_alloc(S.ns);
+    CHECK(t_fwd(ctx, &I, o, ht) == KDA_OK && t_bwd(ctx, &I, &G) == KDA_OK, "the cut run");
+    CHECK(t_fwd(ctx, &S, os, hts) == KDA_OK && t_bwd(ctx, &S, &GS) == KDA_OK, "the two sequences");
+    for (i = 0; i < rk; i++) CHECK(G.dg[cut * rk + i] == 0.0f, "dg at the cut [%zu] = %g, not 0", i, (double)G.dg[cut * rk + i]);
+    for (i = 0; i < rk; i++) GS.dg[cut * rk + i] = 0.0f; /* (a decay of the zero state: 0 up to rounding) */
+    CHECK_CLOSE("o", t_err(os, o, I.nv), 1e-6);
+    CHECK_CLOSE("ht", t_err(hts + st, ht, st), 1e-6);
+    CHECK_CLOSE("dq", t_err(GS.dq, G.dq, I.nq), 1e-6);
+    CHECK_CLOSE("dk", t_err(GS.dk, G.dk, I.nq), 1e-6);
+    CHECK_CLOSE("dv", t_err(GS.dv, G.dv, I.nv), 1e-6);
+    CHECK_CLOSE("dg", t_err(GS.dg, G.dg, I.ng), 1e-6);
+    CHECK_CLOSE("dbeta", t_err(GS.dbeta, G.dbeta, I.nb), 1e-6);
+    CHECK_CLOSE("dh0", t_err(GS.dh0, G.dh0, st), 1e-6);
+    if (gate) {
+        CHECK_CLOSE("dA_log", t_err(GS.dA_log, G.dA_log, 2), 1e-6);
+        CHECK_CLOSE("ddt_bias", t_err(GS.ddt_bias, G.ddt_bias, rk), 1e-6);
+    }
+    free(o); free(ht); free(os); free(hts);
+    t_grads_free(&G); t_grads_free(&GS);
+    t_inst_free(&I); t_inst_free(&S);
+    kda_context_destroy(ctx);
+}
+static void test_a_step_of_minus_inf_cuts_the_sequence(void) {
+    t_check_cut("minus_inf_decay_cuts_the_sequence_g_as_given", KDA_GATE_NONE);
+    t_check_cut("minus_inf_decay_cuts_the_sequence_softplus_of_inf", KDA_GATE_SOFTPLUS);
 }
 
 /* Two calls chained through final -> initial state equal one call; the
@@ -588,6 +646,7 @@ int main(void) {
     test_gradients_match_finite_differences();
     test_varlen_equals_sequences_run_separately();
     test_chained_calls_equal_one_call();
+    test_a_step_of_minus_inf_cuts_the_sequence();
     test_vk_layout_equals_transposed_kv();
     test_gva_equals_repeated_qk_heads();
     test_decode_token_by_token_equals_chunked_forward();
