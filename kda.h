@@ -367,7 +367,8 @@ size_t kda_work_layout(const kda_problem *p, int parts, void *base, kda_work *w)
 /* Forward stages, in order. Each reads/writes the kda_work fields named. */
 /* 0: qn, kn (+ rstd_q, rstd_k with qk_l2norm) from in.q, in.k; beta from in.beta. */
 kda_status kda_stage_prepare(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w);
-/* 1: G from in.g (gate applied when p->gate != NONE), chunk cumsum, times 1/ln2. */
+/* 1: G from in.g (gate applied when p->gate != NONE, floored at KDA_LOG_DECAY_MIN), chunk
+ * cumsum, times 1/ln2. */
 kda_status kda_stage_gate_cumsum(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w);
 /* 2: Aqk and L from qn, kn, beta, G. */
 kda_status kda_stage_intra(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w);
@@ -396,8 +397,8 @@ kda_status kda_stage_bwd_wy(kda_context *ctx, const kda_problem *p, const kda_in
 kda_status kda_stage_bwd_intra(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w);
 /* B5: dgate = reverse chunk cumsum of dG. */
 kda_status kda_stage_bwd_cumsum(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w);
-/* B6: dg (g_dtype) from dgate, through the gate when there is one, plus dA_log and
- * ddt_bias (each optional). */
+/* B6: dg (g_dtype) from dgate, through the gate when there is one and the floor
+ * (KDA_LOG_DECAY_MIN: 0 below it), plus dA_log and ddt_bias (each optional). */
 kda_status kda_stage_bwd_gate(kda_context *ctx, const kda_problem *p, const kda_inputs *in, kda_work *w,
                               void *dg, float *dA_log, float *ddt_bias);
 /* B7: dq, dk (dtype) from dqh, dkh: sum over each GVA group into dqn, dkn, then

@@ -515,7 +515,7 @@ static std::vector<Cfg> fused_configs() {
     p.qk_l2norm = 1;
     v.push_back({"fused_B2_T63_K60_V36_bf16g_unaligned_rows", p, {}, 1, 0});
     p.gate = KDA_GATE_LOWER_BOUND; p.lower_bound = -5.0f; p.g_dtype = KDA_F32; p.K = 56; p.V = 40; // (rows and channels past the 64-key tile)
-    v.push_back({"fused_B2_T63_K56_V40_lowerbound_rateless", p, {}, 1, 0});
+    v.push_back({"fused_B2_T63_K56_V40_lowerbound_rate_0_and_inf", p, {}, 1, 0});
     // steps of -inf decay (cut): g as given, and the softplus gate of g = +inf with exp(A_log) past
     // FLT_MAX on one head (bf16 g); l2norm, so that segments 2 and 3 take the bounded split
     p = kda_problem_default(2, 70, 1, 64, 40); p.dtype = KDA_BF16; p.qk_l2norm = 1;
@@ -537,15 +537,16 @@ static std::vector<Cfg> fused_configs() {
 // token from token 17 through chunk 2 (strong: 58 (base 2) a half chunk, past the four-tile
 // bound: factored through row 7 with exponents near 2^58; the other half keeps the state, so
 // o still depends on it), or by 3.8 a token (edge: 44 a half chunk, under the bound: four
-// tiles with exponents near 2^88); or (rateless) exp(A_log) underflows to 0: the lower-bound
-// gate is lb / 2 everywhere, and g's -inf padding must still gate to 0; or (cut) steps of
+// tiles with exponents near 2^88); or (rate_0_and_inf) exp(A_log) underflows to 0 on head 0:
+// the lower-bound gate is lb / 2 everywhere, and g's -inf padding must still gate to 0; and
+// overflows on head 1 (A_log = 100): a step, lb where z > 0 and 0 where z < 0; or (cut) steps of
 // -inf decay: every 23rd token at every channel, every 23rd (+9) at half of them (-inf and
 // -1e30 by turns; the softplus gate: g = +inf and 1e30), and with the softplus gate
 // exp(A_log) = inf on the last head (every step forgets, and the padding must still gate to 0)
-enum FusedGate { GATE_PLAIN, GATE_WIDE, GATE_STRONG, GATE_EDGE, GATE_RATELESS, GATE_CUT };
+enum FusedGate { GATE_PLAIN, GATE_WIDE, GATE_STRONG, GATE_EDGE, GATE_RATE_0_AND_INF, GATE_CUT };
 static FusedGate fused_gate(const Cfg &cf) {
     return strstr(cf.name, "wide") ? GATE_WIDE : strstr(cf.name, "strong") ? GATE_STRONG
-         : strstr(cf.name, "edge") ? GATE_EDGE : strstr(cf.name, "rateless") ? GATE_RATELESS
+         : strstr(cf.name, "edge") ? GATE_EDGE : strstr(cf.name, "rate_0_and_inf") ? GATE_RATE_0_AND_INF
          : strstr(cf.name, "cut") ? GATE_CUT : GATE_PLAIN;
 }
 // (bv: the value tile, KDA_FUSED_BV; the automatic choice takes 64 on problems this small)
@@ -555,8 +556,8 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
     t_current = "fused";
     t_inst_init(&I, &cf.p, cf.cu.empty() ? NULL : cf.cu.data(), cf.has_h0, 0);
     const kda_problem &p = I.p;
-    if (gate == GATE_RATELESS)
-        for (int c = 0; c < p.HV; c++) I.A_log[c] = -200.0f;
+    if (gate == GATE_RATE_0_AND_INF)
+        for (int c = 0; c < p.HV; c++) I.A_log[c] = c % 2 ? 100.0f : -200.0f;
     else if (gate == GATE_CUT) {
         const float s = p.gate == KDA_GATE_NONE ? -1.0f : 1.0f; // (a = -inf: g = -inf, or softplus of +inf)
         for (size_t r = 0; r < (size_t)p.B * p.T; r++)
@@ -640,6 +641,62 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
     dfree_all();
     t_inst_free(&I);
     kda_context_destroy(cpu);
+}
+
+// A NaN in g (one value, row 20) or in A_log stays NaN in the fused forward's o, as on the
+// CPU: the log decay's floor and the bounds on exp(A_log) keep NaN (max.NaN, min.NaN), where
+// fmaxf would turn a NaN gate into a decay and hide the bad input. Rows before the NaN's
+// chunk stay finite.
+static void run_fused_keeps_nan() {
+    t_current = "fused_keeps_nan";
+    for (int gate = 0; gate < 3; gate++)
+        for (int in_a = 0; in_a < (gate ? 2 : 1); in_a++) {
+            kda_context *cpu = t_cpu();
+            kda_problem p = kda_problem_default(1, 40, 1, 64, 32);
+            p.dtype = KDA_BF16; p.qk_l2norm = 1; p.gate = (kda_gate)gate;
+            if (gate == KDA_GATE_LOWER_BOUND) p.lower_bound = -5.0f;
+            t_inst I;
+            t_inst_init(&I, &p, NULL, 1, 0);
+            if (in_a) I.A_log[0] = NAN;
+            else I.g[20 * 64 + 5] = NAN;
+            DevIn X;
+            dev_inputs(X, I);
+            Out o;
+            o.init(I.nv * 2);
+            o.poison();
+            kda_fwd_outputs out;
+            memset(&out, 0, sizeof out);
+            setenv("KDA_FUSED", "1", 1);
+#ifdef KDA_TEST_EMU
+            const int before = emu_fused;
+#endif
+            for (int side = 0; side < 2; side++) {
+                out.o = side ? o.d : (void *)o.c.data();
+                kda_context *ctx = side ? g_dev : cpu;
+                CHECK(kda_chunk_fwd(ctx, &p, side ? &X.dev : &X.host, &out) == KDA_OK, "gate %d: %s", gate, kda_last_error(ctx));
+            }
+            unsetenv("KDA_FUSED");
+#ifdef KDA_TEST_EMU
+            CHECK(emu_fused > before, "gate %d: the fused kernel did not run", gate);
+#endif
+            o.fetch();
+            for (int side = 0; side < 2; side++) {
+                const unsigned char *ob = side ? o.h.data() : o.c.data();
+                int early = 0, late = 0; // non-finite values in rows 0-15 and 20-39
+                for (int r = 0; r < 40; r++)
+                    for (int c = 0; c < 32; c++) {
+                        const bool bad = !std::isfinite(kda__ld(ob, KDA_BF16, (size_t)r * 32 + c));
+                        early += r < 16 && bad;
+                        late += r >= 20 && bad;
+                    }
+                CHECK(late > 0, "gate %d, NaN in %s: %s o has no NaN after it", gate, in_a ? "A_log" : "g", side ? "the fused" : "the CPU's");
+                CHECK(in_a ? early > 0 : early == 0, "gate %d, NaN in %s: %s o has %d non-finite values in rows 0-15", gate,
+                      in_a ? "A_log" : "g", side ? "the fused" : "the CPU's", early);
+            }
+            dfree_all();
+            t_inst_free(&I);
+            kda_context_destroy(cpu);
+        }
 }
 
 // The bounded split (KDA_SEGMENTS=3: the longest sequence in 3 pieces; KDA_WARMUP=2):
@@ -1374,9 +1431,11 @@ int main(int argc, char **argv) {
         run_fused_plan_model();
         for (const Cfg &cf : fused_configs()) {
             const FusedGate gate = fused_gate(cf);
+            if (race && gate == GATE_CUT) continue; // (values, not races)
             if (gate == GATE_WIDE || !race) run_fused(cf, "1", gate, "64"), run_fused(cf, "1", gate, "128"); // --race: the splits, which run segment 0 with output too
             if (gate != GATE_WIDE) run_fused(cf, "2", gate, "64"), run_fused(cf, "3", gate, "128"); // varlen: sequences of 1, 2 and 3 segments, an empty one
         }
+        if (!race) run_fused_keeps_nan();
         if (!race) run_fused_bounded_split(64, LATE_NONE, false), run_fused_bounded_split(100, LATE_NONE, false);
         // 128 columns, the bounded kernels the benchmark's split shapes run (the others take 64)
         run_fused_bounded_split(100, LATE_NONE, false, "128");
