@@ -543,6 +543,7 @@ static std::vector<Cfg> fused_configs() {
 // -inf decay: every 23rd token at every channel, every 23rd (+9) at half of them (-inf and
 // -1e30 by turns; the softplus gate: g = +inf and 1e30), and with the softplus gate
 // exp(A_log) = inf on the last head (every step forgets, and the padding must still gate to 0)
+// and 4e-44 on head 0 (no step forgets but those of g = +inf)
 enum FusedGate { GATE_PLAIN, GATE_WIDE, GATE_STRONG, GATE_EDGE, GATE_RATE_0_AND_INF, GATE_CUT };
 static FusedGate fused_gate(const Cfg &cf) {
     return strstr(cf.name, "wide") ? GATE_WIDE : strstr(cf.name, "strong") ? GATE_STRONG
@@ -565,7 +566,7 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
                 if (r % 23 == 5) I.g[r * p.HV * p.K + c] = s * INFINITY;
                 if (r % 23 == 14 && c % 2 == 0) I.g[r * p.HV * p.K + c] = s * (c % 4 ? 1e30f : INFINITY);
             }
-        if (I.A_log) I.A_log[p.HV - 1] = 100.0f;
+        if (I.A_log) I.A_log[0] = -100.0f, I.A_log[p.HV - 1] = 100.0f;
     } else if (gate != GATE_PLAIN) { // g = -softplus(raw + dt_bias); chunk 0 stays in range
         for (int c = 0; c < p.HV; c++) I.A_log[c] = 0.0f;
         for (size_t r = 17; r < (size_t)p.B * p.T; r++)
