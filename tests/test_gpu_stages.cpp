@@ -516,8 +516,8 @@ static std::vector<Cfg> fused_configs() {
     v.push_back({"fused_B2_T63_K60_V36_bf16g_unaligned_rows", p, {}, 1, 0});
     p.gate = KDA_GATE_LOWER_BOUND; p.lower_bound = -5.0f; p.g_dtype = KDA_F32; p.K = 56; p.V = 40; // (rows and channels past the 64-key tile)
     v.push_back({"fused_B2_T63_K56_V40_lowerbound_rate_0_and_inf", p, {}, 1, 0});
-    // steps of -inf decay (cut): g as given, and the softplus gate of g = +inf with exp(A_log) past
-    // FLT_MAX on one head (bf16 g); l2norm, so that segments 2 and 3 take the bounded split
+    // steps of -inf decay (cut): g as given, and the softplus gate of g = +inf with exp(A_log)
+    // past FLT_MAX and below 1e-36 (bf16 g); l2norm, so that segments 2 and 3 take the bounded split
     p = kda_problem_default(2, 70, 1, 64, 40); p.dtype = KDA_BF16; p.qk_l2norm = 1;
     v.push_back({"fused_B2_T70_K64_V40_cut", p, {}, 1, 0});
     p = kda_problem_default(1, 75, 1, 128, 32); p.HV = 2; p.dtype = KDA_BF16; p.g_dtype = KDA_BF16;
@@ -646,8 +646,8 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
 
 // A NaN in g (one value, row 20) or in A_log stays NaN in the fused forward's o, as on the
 // CPU: the log decay's floor and the bounds on exp(A_log) keep NaN (max.NaN, min.NaN), where
-// fmaxf would turn a NaN gate into a decay and hide the bad input. Rows before the NaN's
-// chunk stay finite.
+// fmaxf would turn a NaN gate into a decay and hide the bad input. Rows 0-15 (before the
+// fused kernel's chunk of the NaN) stay finite, on the CPU too.
 static void run_fused_keeps_nan() {
     t_current = "fused_keeps_nan";
     for (int gate = 0; gate < 3; gate++)
