@@ -180,7 +180,8 @@ static void test_varlen_equals_sequences_run_separately(void) {
 /* A log decay of -inf at every key channel of a step (g = -inf, or the softplus gate of
  * g = +inf; -1e30 on some channels: floored to KDA_LOG_DECAY_MIN, a decay of 2^-256) forgets
  * the state: o, ht and every gradient are those of two sequences cut there, the second from a
- * zero state, and g's gradient at the cut is 0 (the floor's). The cut (row 23) is inside a
+ * zero state, and g's gradient at the cut is 0 (the floor's); the recurrence gives the same o
+ * and ht. The cut (row 23) is inside a
  * chunk, where the chunk form's differences of cumulative sums gave -inf - -inf = NaN. */
 static void t_check_cut(const char *name, kda_gate gate) {
     const int cut = 23;
@@ -209,6 +210,15 @@ static void t_check_cut(const char *name, kda_gate gate) {
     t_grads_alloc(&G, &I); t_grads_alloc(&GS, &S);
     o = t_alloc(I.nv); ht = t_alloc(I.ns); os = t_alloc(S.nv); hts = t_alloc(S.ns);
     CHECK(t_fwd(ctx, &I, o, ht) == KDA_OK && t_bwd(ctx, &I, &G) == KDA_OK, "the cut run");
+    { /* the token-by-token recurrence (decode) forgets at the cut too */
+        kda_inputs in = t_inputs(&I);
+        kda_recurrent_io io;
+        memset(&io, 0, sizeof io);
+        io.o = os; io.ht = hts;
+        CHECK(kda_recurrent_fwd(ctx, &p, &in, &io) == KDA_OK, "recurrent: %s", kda_last_error(ctx));
+        CHECK_CLOSE("recurrent o", t_err(o, os, I.nv), 2e-6);
+        CHECK_CLOSE("recurrent ht", t_err(ht, hts, st), 2e-6);
+    }
     CHECK(t_fwd(ctx, &S, os, hts) == KDA_OK && t_bwd(ctx, &S, &GS) == KDA_OK, "the two sequences");
     for (i = 0; i < rk; i++) CHECK(G.dg[cut * rk + i] == 0.0f, "dg at the cut [%zu] = %g, not 0", i, (double)G.dg[cut * rk + i]);
     for (i = 0; i < rk; i++) GS.dg[cut * rk + i] = 0.0f; /* (a decay of the zero state: 0 up to rounding) */
