@@ -24,7 +24,8 @@
  * head hv (q/k head hv / (HV/H)) and token t, with state S [K,V] in fp32:
  *     S <- Diag(exp(a_t)) S;  S <- S + b_t k_t (v_t - S^T k_t)^T;  o_t = S^T (scale q_t)
  * where a_t is the per-key-channel log decay (g, or the gate applied to raw g; at
- * least KDA_LOG_DECAY_MIN, so -inf forgets), b_t is beta. The chunked path computes exactly this, chunk by chunk.
+ * least KDA_LOG_DECAY_MIN, so -inf forgets), b_t is beta. The chunked path computes
+ * exactly this, chunk by chunk.
  *
  * Options (#define before the implementation include):
  *     KDA_MALLOC(sz,user) / KDA_FREE(p,user)  default host allocator (also per context)
