@@ -530,6 +530,9 @@ static std::vector<Cfg> fused_configs() {
     v.push_back({"fused_B2_T80_K128_V144_two_column_blocks_bf16", p, {}, 1, 0});
     p = kda_problem_default(1, 90, 1, 64, 256); p.dtype = KDA_F16; p.qk_l2norm = 1; p.num_seqs = 3; p.seqlens_type = KDA_INDEX_I32;
     v.push_back({"fused_varlen_K64_V256_two_column_blocks_f16", p, {0, 7, 40, 90}, 1, 0});
+    // fp16 q and k through the row norms by mma of the 128 x 128 kernels (m16n8k8 in fp16)
+    p = kda_problem_default(1, 45, 2, 128, 128); p.dtype = KDA_F16; p.qk_l2norm = 1;
+    v.push_back({"fused_B1_T45_K128_V128_l2norm_f16", p, {}, 1, 0});
     return v;
 }
 // Gates at the edge of the fused kernel's factored products: every 7th token forgets
