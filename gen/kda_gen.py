@@ -147,6 +147,8 @@ def emit_emu(common, entries):
         body = "\n".join(l for l in src.splitlines() if l.strip() != '#include "kda_common.cuh"')
         out += [f"namespace kda_emu_k{i} {{", body, "}", *[f"#undef {m}" for m in EMU_MACROS], ""]
     out.append("#undef alignas")
+    # their values, which tests/test_gpu_stages.cpp holds equal to kda.h's enums
+    out.append(f"static constexpr int kda_emu_common_enums[] = {{{', '.join(COMMON_MACROS[:6])}}};")
     out += [f"#undef {m}" for m in COMMON_MACROS]
     out.append("struct kda_emu_kernel { const char *name; void (*fn)(const KdaParams); };")
     out.append("static const kda_emu_kernel kda_emu_kernels[] = {")

@@ -24,8 +24,19 @@
 #include "testlib.h"
 
 #ifdef KDA_TEST_EMU
+// kda_common.cuh.j2 writes kda.h's dtype and gate numbers and the log decay's floor again (NVRTC
+// compiles the kernels without kda.h): its values (kda_emu_common_enums; its KDA_LOG_DECAY_MIN
+// replaces kda.h's) must equal kda.h's
+static constexpr double t_kda_h_floor = KDA_LOG_DECAY_MIN;
 #include "cuda_emu.h"
 #include "../build/emu/kernels_emu.inc"
+
+static_assert(kda_emu_common_enums[0] == KDA_F32 && kda_emu_common_enums[1] == KDA_F16 && kda_emu_common_enums[2] == KDA_BF16,
+              "kda_common.cuh.j2's dtype numbers differ from kda.h's");
+static_assert(kda_emu_common_enums[3] == KDA_GATE_NONE && kda_emu_common_enums[4] == KDA_GATE_SOFTPLUS &&
+                  kda_emu_common_enums[5] == KDA_GATE_LOWER_BOUND,
+              "kda_common.cuh.j2's gate numbers differ from kda.h's");
+static_assert(t_kda_h_floor == KDA_LOG_DECAY_MIN, "kda_common.cuh.j2's KDA_LOG_DECAY_MIN differs from kda.h's");
 
 static_assert(sizeof(KdaParams) == sizeof(kda__kparams), "KdaParams and kda__kparams differ");
 static_assert(offsetof(KdaParams, scale) == offsetof(kda__kparams, scale), "KdaParams layout");
