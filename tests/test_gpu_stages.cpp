@@ -544,6 +544,10 @@ static std::vector<Cfg> fused_configs() {
     // fp16 q and k through the row norms by mma of the 128 x 128 kernels (m16n8k8 in fp16)
     p = kda_problem_default(1, 45, 2, 128, 128); p.dtype = KDA_F16; p.qk_l2norm = 1;
     v.push_back({"fused_B1_T45_K128_V128_l2norm_f16", p, {}, 1, 0});
+    // the same norms over a tile with channels past K (zero), fetched in 16-byte pieces (the
+    // bounded split's K = 100 tests fetch element by element)
+    p = kda_problem_default(1, 45, 1, 120, 128); p.dtype = KDA_BF16; p.qk_l2norm = 1;
+    v.push_back({"fused_B1_T45_K120_V128_l2norm_bf16", p, {}, 1, 0});
     return v;
 }
 // Gates at the edge of the fused kernel's factored products: every 7th token forgets
