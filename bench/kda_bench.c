@@ -4,6 +4,7 @@
  *     cc -std=c11 -O3 -march=native bench/kda_bench.c -o kda-bench -lm -lpthread -ldl
  *     ./kda-bench --device cpu [--reps N] [--threads N]
  *     ./kda-bench --device gpu [--reps N] [--peak-gbps X] [--ops fwd,bwd,decode]
+ *     (any of them: --dtype f16 for fp16 q, k, v, beta and o instead of bf16)
  *     ./kda-bench --jit [--arch sm_90a] [--threads N]
  *
  * Prints one JSON line per (shape, op):
@@ -11,12 +12,12 @@
  *      "varlen":[cu_seqlens] or null},"dtype":"bf16","ms_median":..,"ms_min":..,
  *      "tokens_per_s":..,"gflops":..,"threads":..,"flop_model":".."}
  * CPU: ms_median and ms_min are over --reps timed calls (default 5) after one warm-up.
- * Inputs: bf16 q/k/v (randn), fp32 g = logsigmoid(randn) (--gate kimi, GPU: the softplus gate of
+ * Inputs: bf16 (--dtype) q/k/v (randn), fp32 g = logsigmoid(randn) (--gate kimi, GPU: the softplus gate of
  * raw g = randn with Kimi Linear's initialisation, A_log = log U(1, 16) per head and
  * dt_bias = log(expm1(dt)), dt = exp U(log 1e-3, log 1e-1) per channel: some channels
  * then keep their state for thousands of tokens; --gate lb5, GPU: the lower-bound gate at -5
  * of raw g = randn + 3, most tokens near the bound, so that chunks span the widest gate
- * range the bounded gate allows), bf16 beta = sigmoid(randn),
+ * range the bounded gate allows), bf16 (--dtype) beta = sigmoid(randn),
  * fp32 random initial state, qk l2norm in the kernel, chunk 64. The forward also
  * writes the final state; the backward gets dout (randn), no dht, no saved buffer
  * (so it recomputes the forward's intermediates), and writes every gradient
@@ -143,10 +144,14 @@ static void *xmalloc(size_t bytes)
     return p;
 }
 
-static uint16_t *randn_bf16(size_t n)
+static kda_dtype g_dtype = KDA_BF16; /* --dtype: of q, k, v, beta, o (and the gradients) */
+
+static uint16_t to16(double x) { return g_dtype == KDA_F16 ? kda_f32_to_f16((float)x) : kda_f32_to_bf16((float)x); }
+
+static uint16_t *randn16(size_t n)
 {
     uint16_t *x = xmalloc(n * sizeof *x);
-    for (size_t i = 0; i < n; i++) x[i] = kda_f32_to_bf16((float)randn());
+    for (size_t i = 0; i < n; i++) x[i] = to16(randn());
     return x;
 }
 
@@ -207,13 +212,13 @@ static double fwd_flops(const kda_problem *p, const int32_t *cu)
     return total * p->HV;
 }
 
-/* The problem every benchmark uses: bf16 q/k/v, fp32 g, bf16 beta, l2norm, chunk 64. */
+/* The problem every benchmark uses: bf16 (--dtype) q/k/v and beta, fp32 g, l2norm, chunk 64. */
 static kda_problem bench_problem(const shape *s)
 {
     kda_problem p = kda_problem_default(s->B, s->T, s->H, s->K, s->V);
-    p.dtype = KDA_BF16;
+    p.dtype = g_dtype;
     p.g_dtype = KDA_F32;
-    p.beta_dtype = KDA_BF16;
+    p.beta_dtype = g_dtype;
     p.qk_l2norm = 1;
     p.chunk_size = 64;
     if (s->cu_seqlens) {
@@ -223,7 +228,7 @@ static kda_problem bench_problem(const shape *s)
     return p;
 }
 
-/* {"device":..,"op":..,"shape":{..},"dtype":"bf16" - the common head of a line (no closing brace). */
+/* {"device":..,"op":..,"shape":{..},"dtype":"bf16"|"f16" - the common head of a line (no closing brace). */
 static void print_head(const char *device, const char *op, const shape *s)
 {
     printf("{\"device\":\"%s\",\"op\":\"%s\",\"shape\":{\"B\":%d,\"T\":%d,\"H\":%d,\"K\":%d,\"V\":%d,"
@@ -236,7 +241,7 @@ static void print_head(const char *device, const char *op, const shape *s)
     } else {
         printf("null");
     }
-    printf("},\"dtype\":\"bf16\"");
+    printf("},\"dtype\":\"%s\"", kda_dtype_name(g_dtype));
 }
 
 static void print_line(const char *op, const shape *s, double ms_median, double ms_min,
@@ -296,11 +301,11 @@ static void bench_shape(kda_context *ctx, const shape *s, int reps, int threads)
     size_t n_qk = tok * p.H * p.K, n_v = tok * p.HV * p.V, n_g = tok * p.HV * p.K;
     size_t n_beta = tok * p.HV, n_state = N * p.HV * p.K * p.V;
 
-    uint16_t *q = randn_bf16(n_qk), *k = randn_bf16(n_qk), *v = randn_bf16(n_v);
-    uint16_t *dout = randn_bf16(n_v), *beta = xmalloc(n_beta * 2);
+    uint16_t *q = randn16(n_qk), *k = randn16(n_qk), *v = randn16(n_v);
+    uint16_t *dout = randn16(n_v), *beta = xmalloc(n_beta * 2);
     float *g = xmalloc(n_g * 4), *h0 = xmalloc(n_state * 4);
     for (size_t i = 0; i < n_g; i++) g[i] = (float)logsigmoid(randn());
-    for (size_t i = 0; i < n_beta; i++) beta[i] = kda_f32_to_bf16((float)(1.0 / (1.0 + exp(-randn()))));
+    for (size_t i = 0; i < n_beta; i++) beta[i] = to16(1.0 / (1.0 + exp(-randn())));
     for (size_t i = 0; i < n_state; i++) h0[i] = (float)randn();
 
     void *o = xmalloc(n_v * 2), *dq = xmalloc(n_qk * 2), *dk = xmalloc(n_qk * 2);
@@ -505,17 +510,17 @@ static void *dalloc(kda_context *ctx, dbufs *b, size_t bytes, const void *host)
  * from a random offset per 4096-element block (the timings do not depend on
  * the values; the pools give the same distributions as the CPU benchmark). */
 #define POOL_N (1 << 20)
-static uint16_t *pool_randn_bf16, *pool_sigmoid_bf16;
+static uint16_t *pool_randn16, *pool_sigmoid16;
 static float *pool_logsig, *pool_randn_f32;
 
 static void pools_init(void)
 {
-    if (pool_randn_bf16) return;
-    pool_randn_bf16 = xmalloc(POOL_N * 2), pool_sigmoid_bf16 = xmalloc(POOL_N * 2);
+    if (pool_randn16) return;
+    pool_randn16 = xmalloc(POOL_N * 2), pool_sigmoid16 = xmalloc(POOL_N * 2);
     pool_logsig = xmalloc(POOL_N * 4), pool_randn_f32 = xmalloc(POOL_N * 4);
     for (size_t i = 0; i < POOL_N; i++) {
-        pool_randn_bf16[i] = kda_f32_to_bf16((float)randn());
-        pool_sigmoid_bf16[i] = kda_f32_to_bf16((float)(1.0 / (1.0 + exp(-randn()))));
+        pool_randn16[i] = to16(randn());
+        pool_sigmoid16[i] = to16(1.0 / (1.0 + exp(-randn())));
         pool_logsig[i] = (float)logsigmoid(randn());
         pool_randn_f32[i] = (float)randn();
     }
@@ -523,8 +528,8 @@ static void pools_init(void)
 
 static void pools_free(void)
 {
-    free(pool_randn_bf16), free(pool_sigmoid_bf16), free(pool_logsig), free(pool_randn_f32);
-    pool_randn_bf16 = pool_sigmoid_bf16 = NULL;
+    free(pool_randn16), free(pool_sigmoid16), free(pool_logsig), free(pool_randn_f32);
+    pool_randn16 = pool_sigmoid16 = NULL;
     pool_logsig = pool_randn_f32 = NULL;
 }
 
@@ -609,10 +614,10 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
     kda_fwd_outputs out = {0};
     kda_bwd_io io = {0};
     void *ws;
-    if (!(in.q = dtile(ctx, &b, pool_randn_bf16, n_qk, 2)) || !(in.k = dtile(ctx, &b, pool_randn_bf16, n_qk, 2)) ||
-        !(in.v = dtile(ctx, &b, pool_randn_bf16, n_v, 2)) ||
+    if (!(in.q = dtile(ctx, &b, pool_randn16, n_qk, 2)) || !(in.k = dtile(ctx, &b, pool_randn16, n_qk, 2)) ||
+        !(in.v = dtile(ctx, &b, pool_randn16, n_v, 2)) ||
         !(in.g = dtile(ctx, &b, g_gate ? pool_randn_f32 : pool_logsig, n_g, 4)) ||
-        !(in.beta = dtile(ctx, &b, pool_sigmoid_bf16, n_beta, 2)) ||
+        !(in.beta = dtile(ctx, &b, pool_sigmoid16, n_beta, 2)) ||
         !(in.h0 = dtile(ctx, &b, pool_randn_f32, n_state, 4)) || !(out.o = dalloc(ctx, &b, n_v * 2, NULL)) ||
         !(out.ht = dalloc(ctx, &b, n_state * 4, NULL)) || !(ws = dalloc(ctx, &b, ws_bytes, NULL)) ||
         (s->cu_seqlens &&
@@ -648,7 +653,7 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
     }
 
     if (strstr(g_ops, "bwd")) {
-        if (!(io.dout = dtile(ctx, &b, pool_randn_bf16, n_v, 2)) || !(io.dq = dalloc(ctx, &b, n_qk * 2, NULL)) ||
+        if (!(io.dout = dtile(ctx, &b, pool_randn16, n_v, 2)) || !(io.dq = dalloc(ctx, &b, n_qk * 2, NULL)) ||
             !(io.dk = dalloc(ctx, &b, n_qk * 2, NULL)) || !(io.dv = dalloc(ctx, &b, n_v * 2, NULL)) ||
             !(io.dg = dalloc(ctx, &b, n_g * 4, NULL)) || !(io.dbeta = dalloc(ctx, &b, n_beta * 2, NULL)) ||
             !(io.dh0 = dalloc(ctx, &b, n_state * 4, NULL))) {
@@ -684,9 +689,9 @@ static void gpu_bench_decode(kda_context *ctx, int N, int reps, double peak_gbps
     void *ws = NULL;
     float *pool_h = xmalloc(n_state * 4);
     for (size_t i = 0; i < n_state; i++) pool_h[i] = 0.1f * pool_randn_f32[i % POOL_N];
-    if (!(in.q = dtile(ctx, &b, pool_randn_bf16, n_qk, 2)) || !(in.k = dtile(ctx, &b, pool_randn_bf16, n_qk, 2)) ||
-        !(in.v = dtile(ctx, &b, pool_randn_bf16, n_v, 2)) || !(in.g = dtile(ctx, &b, pool_logsig, n_g, 4)) ||
-        !(in.beta = dtile(ctx, &b, pool_sigmoid_bf16, n_beta, 2)) || !(io.o = dalloc(ctx, &b, n_v * 2, NULL)) ||
+    if (!(in.q = dtile(ctx, &b, pool_randn16, n_qk, 2)) || !(in.k = dtile(ctx, &b, pool_randn16, n_qk, 2)) ||
+        !(in.v = dtile(ctx, &b, pool_randn16, n_v, 2)) || !(in.g = dtile(ctx, &b, pool_logsig, n_g, 4)) ||
+        !(in.beta = dtile(ctx, &b, pool_sigmoid16, n_beta, 2)) || !(io.o = dalloc(ctx, &b, n_v * 2, NULL)) ||
         !(io.state_pool = dalloc(ctx, &b, n_state * 4, pool_h)) ||
         !(io.slots = dalloc(ctx, &b, (size_t)N * sizeof(int32_t), slots)) ||
         (ws_bytes && !(ws = dalloc(ctx, &b, ws_bytes, NULL)))) {
@@ -812,8 +817,10 @@ static void rm_dir(const char *dir)
 
 static void jit_problem_json(void)
 {
-    printf("\"problem\":{\"B\":1,\"T\":4096,\"H\":4,\"K\":128,\"V\":128,\"dtype\":\"bf16\",\"g_dtype\":\"f32\","
-           "\"beta_dtype\":\"bf16\",\"chunk\":64,\"qk_l2norm\":1}");
+    const char *dt = kda_dtype_name(g_dtype);
+    printf("\"problem\":{\"B\":1,\"T\":4096,\"H\":4,\"K\":128,\"V\":128,\"dtype\":\"%s\",\"g_dtype\":\"f32\","
+           "\"beta_dtype\":\"%s\",\"chunk\":64,\"qk_l2norm\":1}",
+           dt, dt);
 }
 
 /* kda_warmup on a fresh CUDA context (env as the caller set it); prints one line. */
@@ -1025,6 +1032,7 @@ static int usage(void)
                     "                 [--seqlens L1,L2,..]  (with --shape 1,T,H,K,V: a varlen batch of these lengths)\n"
                     "                 [--gate kimi|lb5]     (gpu: the softplus gate, Kimi Linear's initialisation;\n"
                     "                                        the lower-bound gate at -5, mostly near it)\n"
+                    "                 [--dtype bf16|f16]    (q, k, v, beta, o; default bf16)\n"
                     "       kda-bench --jit [--arch sm_90a] [--threads N]\n");
     return 1;
 }
@@ -1044,6 +1052,10 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--peak-gbps")) peak_gbps = atof(val);
         else if (!strcmp(a, "--arch")) arch = val;
         else if (!strcmp(a, "--ops")) g_ops = val;
+        else if (!strcmp(a, "--dtype")) {
+            if (strcmp(val, "bf16") && strcmp(val, "f16")) return usage();
+            g_dtype = strcmp(val, "f16") ? KDA_BF16 : KDA_F16;
+        }
         else if (!strcmp(a, "--gate")) {
             if (strcmp(val, "kimi") && strcmp(val, "lb5")) return usage();
             g_gate = val;
