@@ -503,6 +503,7 @@ struct kda_context {
     size_t workspace_size;
     void *stream;
     void *fz_memo; /* the fused forward's last plan (kda__fused_memo), NULL: none */
+    unsigned fz_calls; /* the bounded split's calls so far: the tag of the next (kda_fz_idle) */
     char err[KDA__ERRLEN];
 };
 
@@ -2162,6 +2163,8 @@ typedef struct kda__kparams {
     const int *fz_fseq;
     long long fz_fnseg;
     int *fz_any;
+    int *fz_redo;
+    long long fz_call;
 } kda__kparams;
 
 #define KDA__H2D 0
@@ -4049,12 +4052,12 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     /* the bounded split where it applies and was rendered */
     long long N = c->s.N, nvb, nve, ncb, warm = kda__fused_bounded(kf) ? kda__fused_warmup(p) : -1;
     /* a split keeps, per piece and value head, its end state and transition ([V + K][K],
-     * fz_trans), its start state ([V][K], fz_start) and the bounded split's flag (fz_flags);
-     * a piece table takes 3 ints a piece and one a sequence (two tables where the exact passes
-     * cut otherwise), and slack the alignment of those four buffers */
+     * fz_trans), its start state ([V][K], fz_start) and the bounded split's flag (fz_flags,
+     * then one int, fz_redo); a piece table takes 3 ints a piece and one a sequence (two
+     * tables where the exact passes cut otherwise), and slack the alignment of those four buffers */
     size_t tb = kda__tables_size(p), trans = (size_t)p->HV * (p->V + p->K) * p->K * sizeof(float),
            start = (size_t)p->HV * p->V * p->K * sizeof(float), flags = warm >= 0 ? (size_t)p->HV * sizeof(int) : 0,
-           slack = 1280, fixed = tb + slack + 2 * sizeof(int) * (size_t)(N + 2), bt = 0, bs = 0, bf = 0, tp = 0, te = 0;
+           slack = 1280, fixed = tb + slack + sizeof(int) * (2 * (size_t)(N + 2) + 1), bt = 0, bs = 0, bf = 0, tp = 0, te = 0;
     long long cap = LLONG_MAX;
     unsigned grid[3];
     void *ws = NULL;
@@ -4081,7 +4084,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     if (pl.np <= N) pe = pl, ke = kf; /* no split: whole sequences in the output pass */
     else if (ke != kf) pairs = kda__fused_pairs(ctx, ke, p, 0); /* the exact passes in a tile of their own */
     nve = kda__fused_vblocks(ke, p);
-    if (pl.np > N) bf = (size_t)pl.np * flags;
+    if (pl.np > N && flags) bf = (size_t)pl.np * flags + sizeof(int); /* and fz_redo */
     if (pe.np > N) bt = (size_t)pe.np * trans, bs = (size_t)pe.np * start;
     if (pl.tab) tp = sizeof(int) * KDA__FZ_TAB(pl.np, N);
     if (pe.tab && pe.tab != pl.tab) te = sizeof(int) * KDA__FZ_TAB(pe.np, N); /* (right after pl.tab) */
@@ -4110,6 +4113,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
                                  grid[1] = (pp).tab ? 1u : (unsigned)p->HV, grid[2] = (pp).tab ? 1u : (unsigned)(ncols))
     if (pl.np > N && warm >= 0) { /* every piece at once; the exact passes below only where a bound failed */
         a.fz_flags = (int *)KDA__FZ_BUF(bf);
+        a.fz_redo = a.fz_flags + pl.np * p->HV, a.fz_call = (long long)(ctx->fz_calls++ & 0x7fffffffu);
         a.fz_fseq = pl.tab ? a.fz_piece + 3 * pl.np : NULL, a.fz_fnseg = pl.nseg; /* the flags' pieces */
         a.fz_any = pl.tab ? (int *)a.fz_piece + KDA__FZ_ANY(pl.np, N) : NULL;   /* (its 0 uploaded with the table) */
         grid[0] = (unsigned)pl.np; grid[1] = (unsigned)p->HV; grid[2] = 1u; /* the warm-ups' bounds first */

@@ -44,6 +44,7 @@ static_assert(offsetof(KdaParams, Gc) == offsetof(kda__kparams, Gc), "KdaParams 
 static_assert(offsetof(KdaParams, dw) == offsetof(kda__kparams, dw), "KdaParams layout");
 static_assert(offsetof(KdaParams, num_slots) == offsetof(kda__kparams, num_slots), "KdaParams layout");
 static_assert(offsetof(KdaParams, fz_any) == offsetof(kda__kparams, fz_any), "KdaParams layout");
+static_assert(offsetof(KdaParams, fz_call) == offsetof(kda__kparams, fz_call), "KdaParams layout");
 
 // ---- the emulated device: host memory, kernels from kda_emu_kernels ----
 static kda_status emu_alloc(kda_context *, size_t bytes, void **ptr) {
@@ -62,6 +63,7 @@ static int emu_pairs;                                               // launches 
 static std::vector<int> emu_flags, emu_pieces; // the last bounded split's flags ([piece][HV]: the bound failed) and piece table
 static std::vector<int> emu_warm_flags;         // the flags fwd_bound wrote (the warm-ups alone)
 static int emu_any;                             // and its fz_any (-1: none, fixed lengths)
+static int emu_redo_bound, emu_redo;            // fz_redo holds the call's tag after fwd_bound, after the bounded pass (-1: none)
 static std::vector<unsigned char> emu_o_bounded; // o as the bounded pass left it (emu_o_bytes of it)
 static size_t emu_o_bytes;                       // (0: none copied; a test that sets it clears it after)
 static long long emu_cut[2];                    // and its pieces a sequence and their chunks (fixed lengths)
@@ -154,11 +156,11 @@ static kda_status emu_launch(kda_context *ctx, const kda__kdesc *k, const unsign
             if (!strcmp(k->stage, "fwd_combine")) emu_check_combine(a);
             if (!strcmp(k->stage, "fwd_bound"))
                 emu_warm_flags.assign(a->fz_flags, a->fz_flags + a->fz_npieces * a->HV), emu_warm_sums_of(a),
-                    emu_any = a->fz_any ? *a->fz_any : -1;
+                    emu_any = a->fz_any ? *a->fz_any : -1, emu_redo_bound = a->fz_redo ? *a->fz_redo == (int)a->fz_call : -1;
             if (!strcmp(k->stage, "fwd_fused_bounded") || !strcmp(k->stage, "fwd_fused_bounded_pairs"))
                 emu_flags.assign(a->fz_flags, a->fz_flags + a->fz_npieces * a->HV),
                     emu_pieces.assign(a->fz_piece, a->fz_piece ? a->fz_piece + 3 * a->fz_npieces + a->N + 1 : a->fz_piece),
-                    emu_cut[0] = a->fz_nseg, emu_cut[1] = a->fz_each,
+                    emu_cut[0] = a->fz_nseg, emu_cut[1] = a->fz_each, emu_redo = a->fz_redo ? *a->fz_redo == (int)a->fz_call : -1,
                     emu_o_bounded.assign((const unsigned char *)a->o, (const unsigned char *)a->o + emu_o_bytes);
             if ((!strcmp(k->stage, "fwd_fused") || !strcmp(k->stage, "fwd_fused_pairs")) && a->fz_mode == 0 && a->fz_flags)
                 emu_exact_cut[0] = a->fz_npieces, emu_exact_cut[1] = a->fz_nseg, emu_exact_cut[2] = a->fz_each;
@@ -765,7 +767,7 @@ static void run_fused_bounded_split(int K, int late, bool varlen, const char *bv
     setenv("KDA_FUSED_BV", bv, 1);
 #ifdef KDA_TEST_EMU
     emu_flags.clear();
-    emu_warm_flags.clear(), emu_any = -2;
+    emu_warm_flags.clear(), emu_any = emu_redo_bound = emu_redo = -2;
     memset(emu_exact_cut, 0, sizeof emu_exact_cut);
     emu_o_bytes = I.nv * es;
 #endif
@@ -789,6 +791,10 @@ static void run_fused_bounded_split(int K, int late, bool varlen, const char *bv
                 CHECK(emu_warm_flags[f] == (emu_flags[f] && f % 2 == 1), "%s: fwd_bound's flag %zu is %d (final %d)", name, f,
                       emu_warm_flags[f], emu_flags[f]);
             CHECK(emu_any == (varlen ? !hold1 : -1), "%s: fwd_bound's fz_any is %d", name, emu_any);
+            // fz_redo: the call's tag from fwd_bound where a warm-up failed, from the bounded
+            // pass where only a later chunk did (else the exact passes end at once: kda_fz_idle)
+            CHECK(emu_redo_bound == !hold1 && emu_redo == (!hold1 || growth), "%s: fz_redo holds the call's tag after fwd_bound: %d, after the bounded pass: %d",
+                  name, emu_redo_bound, emu_redo);
             // the bounded pass wrote o where fwd_bound's flags held, and nothing in head 1 of a
             // sequence of several pieces where its warm-ups failed; a sequence of one piece it
             // left alone where any warm-up failed, else wrote whole (o is [T][HV][V]; poisoned
@@ -935,7 +941,7 @@ static void run_fused_bound_flags_match_the_warmup_sums() {
         CHECK(kda_chunk_fwd(cpu, &p, &X.host, &out) == KDA_OK, "%s: CPU fwd: %s", name, kda_last_error(cpu));
         out.o = o.d, out.ht = (float *)ht.d;
         setenv("KDA_SEGMENTS", "4", 1); setenv("KDA_WARMUP", "2", 1); setenv("KDA_SPLIT", "bounded", 1);
-        emu_warm_flags.clear(), emu_warm_sums.clear(), emu_any = -2;
+        emu_warm_flags.clear(), emu_warm_sums.clear(), emu_any = emu_redo_bound = -2;
         emu_o_bytes = I.nv * kda_dtype_size(p.dtype); // (what the hook copies of o: this o's size, not the last test's)
         CHECK(kda_chunk_fwd(g_dev, &p, &X.dev, &out) == KDA_OK, "%s: fwd: %s", name, kda_last_error(g_dev));
         unsetenv("KDA_SEGMENTS"); unsetenv("KDA_WARMUP"); unsetenv("KDA_SPLIT");
@@ -961,6 +967,8 @@ static void run_fused_bound_flags_match_the_warmup_sums() {
         bool any = false; // fz_any: set where any flag is (varlen: its piece table has it)
         for (int f : emu_warm_flags) any |= f != 0;
         CHECK(emu_any == (c.varlen ? (int)any : -1), "%s: fz_any %d where a flag is set: %d", name, emu_any, (int)any);
+        CHECK(emu_redo_bound == (int)any, "%s: fz_redo %s the call's tag where a flag is set: %d", name,
+              emu_redo_bound ? "holds" : "does not hold", (int)any);
         printf("  %s: %d warm-ups held, %d failed, %d flags wrong; o %.2e ht %.2e\n", name, held, failed, wrong, eo, eh);
         dfree_all();
         t_inst_free(&I);
