@@ -3723,6 +3723,7 @@ static long long kda__fz_cut(long long nch, long long sn, long long warm, int *f
  * fixed lengths every sequence has nseg pieces of each chunks, kda_fz_span) */
 typedef struct {
     long long cand, np, nseg, each;
+    long long cols, ncol; /* cols > 0: the column plan of that makespan on ncol columns instead of candidate cand */
     double time;
     int *tab;
 } kda__fz_plan;
@@ -3791,13 +3792,14 @@ static const kda__kdesc *kda__fused_pairs(kda_context *ctx, const kda__kdesc *k,
  * where they pair, tcost > 0, V and K for every piece at tcost of a chunk's time), then an
  * output pass of the pieces after the first, and of the sequences of one piece. */
 #define KDA__FZ_CHECK 8.0
+#define KDA__FZ_FIXED 12.0 /* a block's fixed costs in chunks (kda__blocks) */
 #define KDA__COMBINE_COLS 32 /* state columns a block of fwd_combine (its template's R) */
 static double kda__fz_time(const kda_problem *p, const kda__kdesc *kf, const long long *len, long long np, const int *f,
                            const int *q, long long warm, double tcost, int sms, kda__blocks *b1, kda__blocks *b0, double *h) {
     long long nvb = kda__fused_vblocks(kf, p), nkb = kda__fused_kblocks(kf, p), i, n0 = 0, n1 = 0, split = 0;
     for (i = 0; i < np; i++) {
         int s0, last;
-        double d = (double)kda__fz_run(len, np, f, q, i, warm, &s0, &last) + 12.0;
+        double d = (double)kda__fz_run(len, np, f, q, i, warm, &s0, &last) + KDA__FZ_FIXED;
         split |= !(s0 && last);
         if (warm >= 0 || (s0 && last) || !s0) b0[n0].d = d, b0[n0++].n = nvb * p->HV;
         if (warm < 0 && !last) b1[n1].d = tcost > 0 ? d * tcost : d, b1[n1++].n = (s0 && tcost <= 0 ? nvb : nvb + nkb) * p->HV;
@@ -3806,6 +3808,152 @@ static double kda__fz_time(const kda_problem *p, const kda__kdesc *kf, const lon
            (warm >= 0 && split ? KDA__FZ_CHECK : 0.0);
 }
 
+/* The column plan (varlen, the bounded split): the multiprocessors as ncol columns of one
+ * piece's blocks each (value blocks x heads), each column a timeline of m chunk-times.
+ * Sequences, longest first (ord), fill the columns one after another; one that does not fit
+ * is cut where its column is full (pieces keep at least 8 chunks) and its rest starts the
+ * next column as a piece of its own, with its warm-up. Returns the pieces (at most nseq +
+ * ncol), or -1 where m does not hold them; their first chunks, sequences and planned starts
+ * go to f, q and at (NULL: counted only) in the order made, a sequence's together. */
+static long long kda__fz_columns(const long long *len, const long long *ord, long long nseq, long long ncol, long long m,
+                                 long long warm, int *f, int *q, long long *at) {
+    const long long w = warm > 0 ? warm : 0, fixed = (long long)KDA__FZ_FIXED;
+    long long i, col = 0, room = m, np = 0;
+    for (i = 0; i < nseq; i++) {
+        const long long n = ord[i], nch = (len[n] + 15) / 16;
+        long long cb = 0;
+        for (;;) {
+            const long long over = fixed + (cb < w ? cb : w), take = room - over;
+            const int whole = nch - cb + over <= room, cut = !whole && take >= 8 && nch - cb - take >= 8;
+            if (whole || cut) {
+                if (f) f[np] = (int)cb, q[np] = (int)n, at[np] = m - room;
+                np++;
+            }
+            if (whole) {
+                room -= nch - cb + over;
+                break;
+            }
+            if (cut) cb += take;
+            if (++col >= ncol) return -1; /* (a column left part empty: the rest does not fit there) */
+            room = m;
+        }
+    }
+    return np;
+}
+/* A piece of a column plan: its planned start, chunks run (warm-up included), index,
+ * sequence and first chunk */
+typedef struct {
+    long long at, run, i, q, f;
+} kda__fz_col;
+static int kda__fz_col_seq(const void *a, const void *b) { /* the piece table's numbering: sequence, then first chunk */
+    const kda__fz_col *x = (const kda__fz_col *)a, *y = (const kda__fz_col *)b;
+    return x->q != y->q ? (x->q < y->q ? -1 : 1) : x->f < y->f ? -1 : x->f > y->f;
+}
+static int kda__fz_col_first(const void *a, const void *b) { /* launch order: planned start, then the longer */
+    const kda__fz_col *x = (const kda__fz_col *)a, *y = (const kda__fz_col *)b;
+    return x->at != y->at ? (x->at < y->at ? -1 : 1) : x->run != y->run ? (x->run > y->run ? -1 : 1) : (x->i < y->i ? -1 : 1);
+}
+/* The column plan's pieces at makespan m, numbered as the piece table numbers them into f
+ * and q, and in c their launch order (c[r].i: the piece launched r-th); returns the pieces
+ * (-1: m does not hold them) and *nseg, the most of one sequence. ord (the sequences,
+ * longest first) holds nseq entries; f, q, at and c nseq + ncol. */
+static long long kda__fz_columns_cut(const long long *len, const long long *ord, long long nseq, long long ncol, long long m,
+                                     long long warm, int *f, int *q, long long *at, kda__fz_col *c, long long *nseg) {
+    const long long np = kda__fz_columns(len, ord, nseq, ncol, m, warm, f, q, at), w = warm > 0 ? warm : 0;
+    long long i, k = 0;
+    for (i = 0; i < np; i++) c[i].at = at[i], c[i].q = q[i], c[i].f = f[i];
+    if (np > 0) qsort(c, (size_t)np, sizeof *c, kda__fz_col_seq);
+    *nseg = 1;
+    for (i = 0; i < np; i++) {
+        const int more = i + 1 < np && c[i + 1].q == c[i].q;
+        f[i] = (int)c[i].f, q[i] = (int)c[i].q;
+        k = i > 0 && c[i - 1].q == c[i].q ? k + 1 : 1;
+        if (k > *nseg) *nseg = k;
+        c[i].run = (more ? c[i + 1].f : (len[c[i].q] + 15) / 16) - (c[i].f > w ? c[i].f - w : 0), c[i].i = i;
+    }
+    if (np > 0) qsort(c, (size_t)np, sizeof *c, kda__fz_col_first);
+    return np;
+}
+/* The end of a launch of np pieces of per blocks each, handed out in the order of c (c[r].i
+ * the piece launched r-th, d[i] its chunks) to the multiprocessor that frees first; h: sms
+ * doubles of scratch, a min-heap of end times */
+static double kda__launch_order_time(const kda__fz_col *c, const double *d, long long np, long long per, int sms, double *h) {
+    double top = 0.0;
+    long long r, b;
+    int j;
+    for (j = 0; j < sms; j++) h[j] = 0.0;
+    for (r = 0; r < np; r++)
+        for (b = 0; b < per; b++) {
+            const double e = h[0] + d[c[r].i];
+            int at = 0;
+            top = e > top ? e : top;
+            for (;;) { /* sift down */
+                int ch = 2 * at + 1;
+                if (ch >= sms) break;
+                if (ch + 1 < sms && h[ch + 1] < h[ch]) ch++;
+                if (h[ch] >= e) break;
+                h[at] = h[ch], at = ch;
+            }
+            h[at] = e;
+        }
+    return top;
+}
+/* A column plan's pieces and scratch (kda__fz_cols_make; kda__free mem) */
+typedef struct {
+    char *mem;
+    kda__fz_col *c; /* the launch order */
+    long long *ord, *at, np, nseg, m;
+    int *f, *q; /* the pieces as the piece table numbers them */
+    double *d, *h;
+} kda__fz_cols;
+/* The column plan of makespan m, or where m is 0 of the least that holds every sequence
+ * (bisection), on ncol columns of sms multiprocessors; x->np -1 where none does (no room
+ * for a piece of 8 chunks beside a column's fixed cost) */
+static kda_status kda__fz_cols_make(kda_context *ctx, const long long *len, long long nseq, long long ncol, int sms, long long m,
+                                    long long warm, kda__fz_cols *x) {
+    const long long room = nseq + ncol, w = warm > 0 ? warm : 0;
+    long long i, lo = 1, hi = 1;
+    memset(x, 0, sizeof *x);
+    x->mem = (char *)kda__alloc(ctx, (size_t)room * (sizeof *x->c + 2 * sizeof(long long) + 2 * sizeof(int) + sizeof(double)) +
+                                         (size_t)sms * sizeof(double));
+    if (!x->mem) return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "fused forward: no memory for its column plan");
+    x->c = (kda__fz_col *)x->mem, x->ord = (long long *)(x->c + room), x->at = x->ord + room, x->d = (double *)(x->at + room);
+    x->h = x->d + room, x->f = (int *)(x->h + sms), x->q = x->f + room;
+    for (i = 0; i < nseq; i++) x->c[i].at = 0, x->c[i].run = (len[i] + 15) / 16, x->c[i].i = i, hi += x->c[i].run + (long long)KDA__FZ_FIXED + w;
+    qsort(x->c, (size_t)nseq, sizeof *x->c, kda__fz_col_first); /* longest first */
+    for (i = 0; i < nseq; i++) x->ord[i] = x->c[i].i;
+    while (!m && lo < hi) { /* (hi holds them all in one column) */
+        const long long mid = lo + (hi - lo) / 2;
+        if (kda__fz_columns(len, x->ord, nseq, ncol, mid, warm, NULL, NULL, NULL) >= 0) hi = mid;
+        else lo = mid + 1;
+    }
+    x->m = m ? m : lo;
+    x->np = kda__fz_columns_cut(len, x->ord, nseq, ncol, x->m, warm, x->f, x->q, x->at, x->c, &x->nseg);
+    return KDA_OK;
+}
+/* The column plan for the bounded split's varlen pieces, where it beats the uniform cut pl
+ * holds by the model (or force), timed as the GPU hands its pieces out in the order of their
+ * planned starts, which replays the columns. The benchmark's varlen batch (8 sequences,
+ * H16, 132 multiprocessors: 8 columns of 16) takes 290 chunk-times against the uniform
+ * cut's 305: the columns pair a long piece with a short one where uniform cuts leave the
+ * second wave uneven. */
+static kda_status kda__fz_columns_plan(kda_context *ctx, const long long *len, long long nseq, long long per, int sms,
+                                       long long cap, long long warm, int force, kda__fz_plan *pl) {
+    const long long ncol = sms / per;
+    kda__fz_cols x;
+    kda_status st;
+    long long i;
+    double t;
+    if (ncol < 1 || nseq < 1) return KDA_OK;
+    if ((st = kda__fz_cols_make(ctx, len, nseq, ncol, sms, 0, warm, &x))) return st;
+    if (x.np > 0 && x.np <= cap) {
+        for (i = 0; i < x.np; i++) x.d[x.c[i].i] = (double)x.c[i].run + KDA__FZ_FIXED;
+        t = kda__launch_order_time(x.c, x.d, x.np, per, sms, x.h) + (x.np > nseq ? KDA__FZ_CHECK : 0.0);
+        if (force || t < pl->time * 0.99) pl->cols = x.m, pl->ncol = ncol, pl->np = x.np, pl->nseg = x.nseg, pl->time = t;
+    }
+    kda__free(ctx, x.mem);
+    return KDA_OK;
+}
 /* The plan for fwd_fused kernel kf: candidate i cuts the longest sequence into i pieces and
  * every other into pieces no longer than those. Within one count of waves (blocks per
  * multiprocessor, rounded up) more pieces are shorter, so the bounded split's model times
@@ -3813,7 +3961,9 @@ static double kda__fz_time(const kda_problem *p, const kda__kdesc *kf, const lon
  * pass has more blocks than its output pass, times every one. The fastest wins (ties within
  * 3% go to fewer pieces): a few walks of a few hundred blocks a call. Pieces keep at least 8
  * chunks, candidates stop where their blocks pass 4 waves, KDA_SEGMENTS=n forces candidate n
- * (tests, tuning), and cap bounds the pieces of a split (what the workspace holds). */
+ * (tests, tuning), and cap bounds the pieces of a split (what the workspace holds). Varlen's
+ * bounded split also times the column plan (kda__fz_columns_plan), which KDA_SEGMENTS=columns
+ * forces where it applies. */
 static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const long long *len,
                                   long long nseq, long long cap, long long warm, kda__fz_plan *pl) {
     const char *env = getenv("KDA_SEGMENTS");
@@ -3855,6 +4005,8 @@ static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const 
     }
     pl->each = kda__fz_each(maxnch, kda__fz_sn(maxnch, maxnch, pl->cand), warm); /* (fixed lengths: all the longest) */
     kda__free(ctx, mem);
+    if (warm >= 0 && p->num_seqs > 0 && !(env && atoi(env) > 0)) /* varlen: the column plan where it is faster */
+        return kda__fz_columns_plan(ctx, len, nseq, per, sms, cap, warm, env && !strcmp(env, "columns"), pl);
     return KDA_OK;
 }
 
@@ -3878,9 +4030,22 @@ static kda_status kda__fused_table(kda_context *ctx, const kda_problem *p, const
         return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "fused forward: no memory for a piece table of %lld pieces", pl->np);
     }
     q = tab + pl->np, f = tab + 2 * pl->np; /* each slot's sequence and first chunk */
-    kda__fz_pieces(len, nseq, kda__fz_maxnch(len, nseq), pl->cand, warm, f, q, &nseg);
-    for (i = 0; i < pl->np; i++) b[i].d = (double)kda__fz_run(len, pl->np, f, q, i, warm, &first, &last), b[i].n = i;
-    qsort(b, (size_t)pl->np, sizeof *b, kda__blocks_longer);
+    if (pl->cols > 0) { /* the column plan: launched in the order of the pieces' planned starts */
+        kda__fz_cols x;
+        kda_status st = kda__fz_cols_make(ctx, len, nseq, pl->ncol, 1, pl->cols, warm, &x);
+        if (!st && x.np != pl->np) st = kda__fail(ctx, KDA_ERROR_INTERNAL, "fused forward: a column plan of %lld pieces, not %lld", x.np, pl->np);
+        for (i = 0; !st && i < pl->np; i++) f[i] = x.f[i], q[i] = x.q[i], b[i].n = x.c[i].i;
+        kda__free(ctx, x.mem);
+        if (st) {
+            kda__free(ctx, b);
+            kda__free(ctx, tab);
+            return st;
+        }
+    } else {
+        kda__fz_pieces(len, nseq, kda__fz_maxnch(len, nseq), pl->cand, warm, f, q, &nseg);
+        for (i = 0; i < pl->np; i++) b[i].d = (double)kda__fz_run(len, pl->np, f, q, i, warm, &first, &last), b[i].n = i;
+        qsort(b, (size_t)pl->np, sizeof *b, kda__blocks_longer);
+    }
     for (i = 0, r = 0; i < pl->np; i++) {
         tab[i] = (int)b[i].n;
         while (r <= q[i]) tab[3 * pl->np + r++] = (int)i; /* the first piece of sequences r..q[i] */
@@ -3997,7 +4162,7 @@ static const kda__kdesc *kda__fused_memo(kda_context *ctx, const kda_problem *p,
     memset(&key, 0, sizeof key); /* (no padding: compared whole) */
     key.asked = kf, key.N = nseq, key.HV = p->HV, key.K = p->K, key.V = p->V, key.varlen = p->num_seqs > 0;
     key.warm = warm, key.cap = cap, key.optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
-    key.segments = es ? atoll(es) : -1, key.bv = eb ? atoll(eb) : -1, key.pairs = kda__env_int("KDA_FUSED_PAIRS", 1);
+    key.segments = es ? (strcmp(es, "columns") ? atoll(es) : -2) : -1, key.bv = eb ? atoll(eb) : -1, key.pairs = kda__env_int("KDA_FUSED_PAIRS", 1);
     if (m && !memcmp(&m->key, &key, sizeof key) && !memcmp(m->len, len, sizeof(long long) * (size_t)nseq)) {
         *pl = m->pl;
         *pe = m->pe;

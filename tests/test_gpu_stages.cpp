@@ -875,6 +875,71 @@ static void run_fused_bounded_split(int K, int late, bool varlen, const char *bv
     kda_context_destroy(cpu);
 }
 
+// The column plan end to end (KDA_SEGMENTS=columns, KDA_WARMUP=2): varlen sequences of 40, 21
+// and 9 chunks, two heads, K = 64, V = 32 in 64-column blocks (2 blocks a piece). Columns
+// (6 or more: 12 multiprocessors in the emulator, the GPU's own count) hold them at a makespan
+// of 33 chunk-times, the first sequence cut at chunk 21 (the emulator checks the bounded
+// pass's piece table). o and ht are within 1e-2 of the CPU's forward where every bound holds
+// (g = -2 in both heads) and where head 1's fail (g = logsigmoid(randn): the exact passes
+// redo it, cut as they cut for themselves).
+#ifdef KDA_TEST_EMU
+static kda_context *emu_ctx_sms(int sms, const char *what); // (below: a device of sms multiprocessors)
+#endif
+static void run_fused_column_plan_end_to_end(bool fail1) {
+    char name[64];
+    snprintf(name, sizeof name, "fused_column_plan%s", fail1 ? "_head1_fails" : "");
+    t_current = "fused";
+#ifdef KDA_TEST_EMU
+    kda_context *dev = emu_ctx_sms(12, name);
+    if (!dev) return;
+#else
+    kda_context *dev = g_dev;
+#endif
+    kda_context *cpu = t_cpu();
+    const std::vector<long long> cu = {0, 640, 976, 1120};
+    kda_problem p0 = kda_problem_default(1, 1120, 1, 64, 32);
+    p0.HV = 2; p0.dtype = KDA_BF16; p0.qk_l2norm = 1; p0.num_seqs = 3; p0.seqlens_type = KDA_INDEX_I64;
+    t_inst I;
+    t_inst_init(&I, &p0, cu.data(), 1, 0);
+    const kda_problem &p = I.p;
+    for (int r = 0; r < p.T; r++)
+        for (int hv = 0; hv < (fail1 ? 1 : 2); hv++)
+            for (int c = 0; c < p.K; c++) I.g[((size_t)r * p.HV + hv) * p.K + c] = -2.0f;
+    DevIn X;
+    dev_inputs(X, I);
+    const size_t es = kda_dtype_size(p.dtype);
+    Out o, ht;
+    o.init(I.nv * es); ht.init(I.ns * 4);
+    kda_fwd_outputs out;
+    memset(&out, 0, sizeof out);
+    out.o = o.c.data(), out.ht = (float *)ht.c.data();
+    CHECK(kda_chunk_fwd(cpu, &p, &X.host, &out) == KDA_OK, "%s: CPU fwd: %s", name, kda_last_error(cpu));
+    out.o = o.d, out.ht = (float *)ht.d;
+    dpoison(out.o, I.nv * es), dpoison(out.ht, I.ns * 4);
+    setenv("KDA_SEGMENTS", "columns", 1); setenv("KDA_WARMUP", "2", 1); setenv("KDA_FUSED_BV", "64", 1); setenv("KDA_SPLIT", "bounded", 1);
+#ifdef KDA_TEST_EMU
+    emu_pieces.clear();
+#endif
+    CHECK(kda_chunk_fwd(dev, &p, &X.dev, &out) == KDA_OK, "%s: fwd: %s", name, kda_last_error(dev));
+    unsetenv("KDA_SEGMENTS"); unsetenv("KDA_WARMUP"); unsetenv("KDA_FUSED_BV"); unsetenv("KDA_SPLIT");
+#ifdef KDA_TEST_EMU
+    // 4 pieces (sequence 0 at chunks 0 and 21, 1 and 2 whole), launched by planned start
+    // (all at 0), then the longer: 21 chunks, 21 (19 and a warm-up of 2), 21, 9
+    const std::vector<int> want = {0, 1, 2, 3, /* sequences */ 0, 0, 1, 2, /* first chunks */ 0, 21, 0, 0, /* first pieces */ 0, 2, 3, 4};
+    CHECK(emu_pieces == want, "%s: the bounded pass's piece table is not the column plan's", name);
+#endif
+    o.fetch(), ht.fetch();
+    const double eo = err_t(o.c.data(), o.h.data(), I.nv, p.dtype), eh = err_f((float *)ht.c.data(), (float *)ht.h.data(), I.ns);
+    CHECK(eo <= 1e-2 && eh <= 1e-2, "%s: o error %.3g, ht error %.3g", name, eo, eh);
+    printf("  %s: o %.2e ht %.2e\n", name, eo, eh);
+    dfree_all();
+    t_inst_free(&I);
+#ifdef KDA_TEST_EMU
+    kda_context_destroy(dev);
+#endif
+    kda_context_destroy(cpu);
+}
+
 #ifdef KDA_TEST_EMU
 // A seeded uniform in [0, 1) (an LCG): a test's own values, apart from t_randn's stream
 struct Uni {
@@ -1055,6 +1120,56 @@ static void run_fused_exact_plan_times_every_candidate() {
               kda__fused_plan(ctx, &p, kf, &len, 1, LLONG_MAX, -1, &exact) == KDA_OK, "exact plan: %s", kda_last_error(ctx));
     CHECK(bounded.np == 4 && exact.np == 5, "exact plan: the bounded split in %lld pieces (want 4), the exact one in %lld (want 5)",
           bounded.np, exact.np);
+    kda_context_destroy(ctx);
+}
+
+// The column plan (host only), compare_fla's varlen batch (its 8 lengths, H16, K = V = 128)
+// on 132 multiprocessors: 8 columns of 16 blocks at a makespan of 290 chunk-times, which the
+// bounded split takes over the best uniform cut (candidate 4: 305 by the same model). Its
+// piece table covers every sequence once in pieces of at least 8 chunks (a sequence whole may
+// be shorter), and handing its blocks out in launch order, block by block to the first free
+// multiprocessor, ends at the makespan: a long piece shares a multiprocessor with a short one.
+static void run_fused_column_plan_pairs_long_pieces_with_short() {
+    t_current = "fused";
+    kda_context *ctx = emu_ctx_sms(132, "column plan");
+    if (!ctx) return;
+    const std::vector<long long> len = {1327, 7158, 4139, 1158, 11055, 2834, 1501, 3596};
+    const long long N = (long long)len.size(), warm = 16;
+    kda_problem p = kda_problem_default(1, 32768, 16, 128, 128);
+    p.dtype = KDA_BF16; p.qk_l2norm = 1; p.num_seqs = (int)N; p.seqlens_type = KDA_INDEX_I64;
+    const kda__kdesc *kf = emu_fused_128();
+    kda__fz_plan pl, uni;
+    memset(&pl, 0, sizeof pl); memset(&uni, 0, sizeof uni);
+    setenv("KDA_SEGMENTS", "4", 1);
+    CHECK(kf && kda__fused_plan(ctx, &p, kf, len.data(), N, LLONG_MAX, warm, &uni) == KDA_OK, "column plan: %s", kda_last_error(ctx));
+    unsetenv("KDA_SEGMENTS");
+    CHECK(kf && kda__fused_plan(ctx, &p, kf, len.data(), N, LLONG_MAX, warm, &pl) == KDA_OK &&
+              kda__fused_table(ctx, &p, len.data(), N, warm, &pl) == KDA_OK && pl.tab, "column plan: %s", kda_last_error(ctx));
+    CHECK(uni.cols == 0 && pl.cols == 290 && pl.ncol == 8 && pl.time == 290 + KDA__FZ_CHECK && uni.time == 305 + KDA__FZ_CHECK,
+          "column plan: makespan %lld on %lld columns, %g chunk-times against the uniform cut's %g", pl.cols, pl.ncol, pl.time, uni.time);
+    if (!pl.tab) { kda_context_destroy(ctx); return; }
+    const long long np = pl.np;
+    const int *seq = pl.tab + np, *first = pl.tab + 2 * np, *base = pl.tab + 3 * np;
+    std::vector<int> launched(np, 0);
+    bool ok = base[0] == 0 && base[N] == np;
+    for (long long r = 0; r < np && ok; r++) ok = pl.tab[r] >= 0 && pl.tab[r] < np && !launched[pl.tab[r]]++;
+    std::vector<double> run(np);
+    for (long long n = 0; n < N && ok; n++) {
+        const long long nch = (len[n] + 15) / 16;
+        ok = base[n] < base[n + 1] && first[base[n]] == 0;
+        for (long long sl = base[n]; sl < base[n + 1] && ok; sl++) {
+            const long long ce = sl + 1 < base[n + 1] ? first[sl + 1] : nch;
+            ok = seq[sl] == n && (ce - first[sl] >= 8 || base[n + 1] - base[n] == 1);
+            run[sl] = (double)(ce - std::max(first[sl] - warm, 0LL)) + KDA__FZ_FIXED;
+        }
+    }
+    CHECK(ok, "column plan: its piece table does not cover every sequence once in order");
+    std::vector<double> end(132, 0.0);
+    for (long long r = 0; r < np && ok; r++)
+        for (int b = 0; b < 16; b++) *std::min_element(end.begin(), end.end()) += run[pl.tab[r]];
+    const double last = *std::max_element(end.begin(), end.end());
+    CHECK(!ok || last == 290.0, "column plan: launched in its order the blocks end at %g chunk-times, not 290", last);
+    kda__free(ctx, pl.tab);
     kda_context_destroy(ctx);
 }
 
@@ -1473,9 +1588,12 @@ int main(int argc, char **argv) {
         run_fused_bounded_split(64, LATE_BETA, false); // --race too: its b check reads the warm-up length a group's warps share (53c4c1e's race)
         // two 128-column blocks (on Hopper a pair: each block flags the chunks its own groups built)
         if (!race) run_fused_bounded_split(64, LATE_GATE, true, "128", 144), run_fused_bounded_split(100, LATE_NONE, false, "128", 144);
+        run_fused_column_plan_end_to_end(false);
+        if (!race) run_fused_column_plan_end_to_end(true);
 #ifdef KDA_TEST_EMU
         run_fused_replans_for_new_lengths();
         run_fused_exact_plan_times_every_candidate();
+        run_fused_column_plan_pairs_long_pieces_with_short();
         run_fused_exact_passes_pick_their_own_tile();
         // (clusters of two 512-thread blocks, slow under the sanitizers: make test runs it)
         if (!quick && !race) run_fused_failed_bounds_redone_in_the_exact_tile();
