@@ -3655,6 +3655,21 @@ static int kda__blocks_longer(const void *a, const void *b) {
     return x < y ? 1 : x > y ? -1 : 0;
 }
 
+/* The multiprocessor that frees first (h: a min-heap of sms end times) takes a block of d:
+ * its new end, sifted down the heap */
+static double kda__heap_take(double *h, int sms, double d) {
+    const double e = h[0] + d;
+    int at = 0;
+    for (;;) {
+        int c = 2 * at + 1;
+        if (c >= sms) break;
+        if (c + 1 < sms && h[c + 1] < h[c]) c++;
+        if (h[c] >= e) break;
+        h[at] = h[c], at = c;
+    }
+    h[at] = e;
+    return e;
+}
 /* The end of one launch of nb kinds of blocks on sms multiprocessors that run one block each,
  * as the GPU hands them out: longest first (the piece table's launch order), each block to the
  * multiprocessor that frees first; where every multiprocessor ends within one block of the
@@ -3676,22 +3691,13 @@ static double kda__launch_time(kda__blocks *b, long long nb, int sms, double *h)
         }
         for (n = b[i].n; n > 0;) {
             double e;
-            int at = 0;
             if (n >= sms && top - h[0] < b[i].d) { /* whole rounds keep the order: one block each */
                 base += (double)(n / sms) * b[i].d;
                 n %= sms;
                 continue;
             }
-            e = h[0] + b[i].d; /* the first to free takes one: sift it down */
+            e = kda__heap_take(h, sms, b[i].d);
             top = e > top ? e : top;
-            for (;;) {
-                int c = 2 * at + 1;
-                if (c >= sms) break;
-                if (c + 1 < sms && h[c + 1] < h[c]) c++;
-                if (h[c] >= e) break;
-                h[at] = h[c], at = c;
-            }
-            h[at] = e;
             n--;
         }
     }
@@ -3884,17 +3890,8 @@ static double kda__launch_order_time(const kda__fz_col *c, const double *d, long
     for (j = 0; j < sms; j++) h[j] = 0.0;
     for (r = 0; r < np; r++)
         for (b = 0; b < per; b++) {
-            const double e = h[0] + d[c[r].i];
-            int at = 0;
+            const double e = kda__heap_take(h, sms, d[c[r].i]);
             top = e > top ? e : top;
-            for (;;) { /* sift down */
-                int ch = 2 * at + 1;
-                if (ch >= sms) break;
-                if (ch + 1 < sms && h[ch + 1] < h[ch]) ch++;
-                if (h[ch] >= e) break;
-                h[at] = h[ch], at = ch;
-            }
-            h[at] = e;
         }
     return top;
 }
@@ -3944,7 +3941,7 @@ static kda_status kda__fz_columns_plan(kda_context *ctx, const long long *len, l
     kda_status st;
     long long i;
     double t;
-    if (ncol < 1 || nseq < 1) return KDA_OK;
+    if (ncol < 1 || nseq < 1 || nseq * per > 4LL * sms) return KDA_OK; /* (past 4 blocks a multiprocessor the order matters little) */
     if ((st = kda__fz_cols_make(ctx, len, nseq, ncol, sms, 0, warm, &x))) return st;
     if (x.np > 0 && x.np <= cap) {
         for (i = 0; i < x.np; i++) x.d[x.c[i].i] = (double)x.c[i].run + KDA__FZ_FIXED;
