@@ -3814,38 +3814,6 @@ static double kda__fz_time(const kda_problem *p, const kda__kdesc *kf, const lon
            (warm >= 0 && split ? KDA__FZ_CHECK : 0.0);
 }
 
-/* The column plan (varlen, the bounded split): the multiprocessors as ncol columns of one
- * piece's blocks each (value blocks x heads), each column a timeline of m chunk-times.
- * Sequences, longest first (ord), fill the columns one after another; one that does not fit
- * is cut where its column is full (pieces keep at least 8 chunks) and its rest starts the
- * next column as a piece of its own, with its warm-up. Returns the pieces (at most nseq +
- * ncol), or -1 where m does not hold them; their first chunks, sequences and planned starts
- * go to f, q and at (NULL: counted only) in the order made, a sequence's together. */
-static long long kda__fz_columns(const long long *len, const long long *ord, long long nseq, long long ncol, long long m,
-                                 long long warm, int *f, int *q, long long *at) {
-    const long long w = warm > 0 ? warm : 0, fixed = (long long)KDA__FZ_FIXED;
-    long long i, col = 0, room = m, np = 0;
-    for (i = 0; i < nseq; i++) {
-        const long long n = ord[i], nch = (len[n] + 15) / 16;
-        long long cb = 0;
-        for (;;) {
-            const long long over = fixed + (cb < w ? cb : w), take = room - over;
-            const int whole = nch - cb + over <= room, cut = !whole && take >= 8 && nch - cb - take >= 8;
-            if (whole || cut) {
-                if (f) f[np] = (int)cb, q[np] = (int)n, at[np] = m - room;
-                np++;
-            }
-            if (whole) {
-                room -= nch - cb + over;
-                break;
-            }
-            if (cut) cb += take;
-            if (++col >= ncol) return -1; /* (a column left part empty: the rest does not fit there) */
-            room = m;
-        }
-    }
-    return np;
-}
 /* A piece of a column plan: its planned start, chunks run (warm-up included), index,
  * sequence and first chunk */
 typedef struct {
@@ -3859,25 +3827,57 @@ static int kda__fz_col_first(const void *a, const void *b) { /* launch order: pl
     const kda__fz_col *x = (const kda__fz_col *)a, *y = (const kda__fz_col *)b;
     return x->at != y->at ? (x->at < y->at ? -1 : 1) : x->run != y->run ? (x->run > y->run ? -1 : 1) : (x->i < y->i ? -1 : 1);
 }
+/* The column plan (varlen, the bounded split): the multiprocessors as ncol columns of one
+ * piece's blocks each (value blocks x heads), each column a timeline of m chunk-times.
+ * Sequences, longest first (ord), fill the columns one after another; one that does not fit
+ * is cut where its column is full (pieces keep at least 8 chunks) and its rest starts the
+ * next column as a piece of its own, with its warm-up. Returns the pieces (at most nseq +
+ * ncol), or -1 where m does not hold them; their planned starts, sequences and first chunks
+ * go to c (NULL: counted only) in the order made. */
+static long long kda__fz_columns(const long long *len, const long long *ord, long long nseq, long long ncol, long long m,
+                                 long long warm, kda__fz_col *c) {
+    const long long w = warm > 0 ? warm : 0, fixed = (long long)KDA__FZ_FIXED;
+    long long i, col = 0, room = m, np = 0;
+    for (i = 0; i < nseq; i++) {
+        const long long n = ord[i], nch = (len[n] + 15) / 16;
+        long long cb = 0;
+        for (;;) {
+            const long long over = fixed + (cb < w ? cb : w), take = room - over;
+            const int whole = nch - cb + over <= room, cut = !whole && take >= 8 && nch - cb - take >= 8;
+            if (whole || cut) {
+                if (c) c[np].at = m - room, c[np].q = n, c[np].f = cb;
+                np++;
+            }
+            if (whole) {
+                room -= nch - cb + over;
+                break;
+            }
+            if (cut) cb += take;
+            if (++col >= ncol) return -1; /* (a column left part empty: the rest does not fit there) */
+            room = m;
+        }
+    }
+    return np;
+}
 /* The column plan's pieces at makespan m, numbered as the piece table numbers them into f
  * and q, and in c their launch order (c[r].i: the piece launched r-th); returns the pieces
  * (-1: m does not hold them) and *nseg, the most of one sequence. ord (the sequences,
- * longest first) holds nseq entries; f, q, at and c nseq + ncol. */
+ * longest first) holds nseq entries; f, q and c nseq + ncol. */
 static long long kda__fz_columns_cut(const long long *len, const long long *ord, long long nseq, long long ncol, long long m,
-                                     long long warm, int *f, int *q, long long *at, kda__fz_col *c, long long *nseg) {
-    const long long np = kda__fz_columns(len, ord, nseq, ncol, m, warm, f, q, at), w = warm > 0 ? warm : 0;
+                                     long long warm, int *f, int *q, kda__fz_col *c, long long *nseg) {
+    const long long np = kda__fz_columns(len, ord, nseq, ncol, m, warm, c);
     long long i, k = 0;
-    for (i = 0; i < np; i++) c[i].at = at[i], c[i].q = q[i], c[i].f = f[i];
-    if (np > 0) qsort(c, (size_t)np, sizeof *c, kda__fz_col_seq);
+    int first, last;
+    if (np <= 0) return np;
+    qsort(c, (size_t)np, sizeof *c, kda__fz_col_seq);
+    for (i = 0; i < np; i++) f[i] = (int)c[i].f, q[i] = (int)c[i].q;
     *nseg = 1;
     for (i = 0; i < np; i++) {
-        const int more = i + 1 < np && c[i + 1].q == c[i].q;
-        f[i] = (int)c[i].f, q[i] = (int)c[i].q;
-        k = i > 0 && c[i - 1].q == c[i].q ? k + 1 : 1;
+        c[i].run = kda__fz_run(len, np, f, q, i, warm, &first, &last), c[i].i = i;
+        k = first ? 1 : k + 1;
         if (k > *nseg) *nseg = k;
-        c[i].run = (more ? c[i + 1].f : (len[c[i].q] + 15) / 16) - (c[i].f > w ? c[i].f - w : 0), c[i].i = i;
     }
-    if (np > 0) qsort(c, (size_t)np, sizeof *c, kda__fz_col_first);
+    qsort(c, (size_t)np, sizeof *c, kda__fz_col_first);
     return np;
 }
 /* The end of a launch of np pieces of per blocks each, handed out in the order of c (c[r].i
@@ -3899,7 +3899,7 @@ static double kda__launch_order_time(const kda__fz_col *c, const double *d, long
 typedef struct {
     char *mem;
     kda__fz_col *c; /* the launch order */
-    long long *ord, *at, np, nseg, m;
+    long long *ord, np, nseg, m;
     int *f, *q; /* the pieces as the piece table numbers them */
     double *d, *h;
 } kda__fz_cols;
@@ -3911,21 +3911,21 @@ static kda_status kda__fz_cols_make(kda_context *ctx, const long long *len, long
     const long long room = nseq + ncol, w = warm > 0 ? warm : 0;
     long long i, lo = 1, hi = 1;
     memset(x, 0, sizeof *x);
-    x->mem = (char *)kda__alloc(ctx, (size_t)room * (sizeof *x->c + 2 * sizeof(long long) + 2 * sizeof(int) + sizeof(double)) +
+    x->mem = (char *)kda__alloc(ctx, (size_t)room * (sizeof *x->c + sizeof(long long) + 2 * sizeof(int) + sizeof(double)) +
                                          (size_t)sms * sizeof(double));
     if (!x->mem) return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "fused forward: no memory for its column plan");
-    x->c = (kda__fz_col *)x->mem, x->ord = (long long *)(x->c + room), x->at = x->ord + room, x->d = (double *)(x->at + room);
+    x->c = (kda__fz_col *)x->mem, x->ord = (long long *)(x->c + room), x->d = (double *)(x->ord + room);
     x->h = x->d + room, x->f = (int *)(x->h + sms), x->q = x->f + room;
     for (i = 0; i < nseq; i++) x->c[i].at = 0, x->c[i].run = (len[i] + 15) / 16, x->c[i].i = i, hi += x->c[i].run + (long long)KDA__FZ_FIXED + w;
     qsort(x->c, (size_t)nseq, sizeof *x->c, kda__fz_col_first); /* longest first */
     for (i = 0; i < nseq; i++) x->ord[i] = x->c[i].i;
     while (!m && lo < hi) { /* (hi holds them all in one column) */
         const long long mid = lo + (hi - lo) / 2;
-        if (kda__fz_columns(len, x->ord, nseq, ncol, mid, warm, NULL, NULL, NULL) >= 0) hi = mid;
+        if (kda__fz_columns(len, x->ord, nseq, ncol, mid, warm, NULL) >= 0) hi = mid;
         else lo = mid + 1;
     }
     x->m = m ? m : lo;
-    x->np = kda__fz_columns_cut(len, x->ord, nseq, ncol, x->m, warm, x->f, x->q, x->at, x->c, &x->nseg);
+    x->np = kda__fz_columns_cut(len, x->ord, nseq, ncol, x->m, warm, x->f, x->q, x->c, &x->nseg);
     return KDA_OK;
 }
 /* The column plan for the bounded split's varlen pieces, where it beats the uniform cut pl
