@@ -2156,7 +2156,7 @@ typedef struct kda__kparams {
     float *state_pool;
     const int32_t *slots;
     long long num_slots, pool_dtype;
-    long long fz_mode, fz_warm, fz_npieces, fz_nseg, fz_each;
+    long long fz_mode, fz_warm, fz_npieces, fz_nseg, fz_each, fz_lead;
     const int *fz_piece;
     float *fz_start, *fz_trans;
     int *fz_flags;
@@ -3729,6 +3729,7 @@ static long long kda__fz_cut(long long nch, long long sn, long long warm, int *f
  * fixed lengths every sequence has nseg pieces of each chunks, kda_fz_span) */
 typedef struct {
     long long cand, np, nseg, each;
+    long long lead;       /* the exact split: the chunks its first pieces run more than the others (kda__fz_cut's warm) */
     long long cols, ncol; /* cols > 0: the column plan of that makespan on ncol columns instead of candidate cand */
     double time;
     int *tab;
@@ -3800,16 +3801,55 @@ static const kda__kdesc *kda__fused_pairs(kda_context *ctx, const kda__kdesc *k,
 #define KDA__FZ_CHECK 8.0
 #define KDA__FZ_FIXED 12.0 /* a block's fixed costs in chunks (kda__blocks) */
 #define KDA__COMBINE_COLS 32 /* state columns a block of fwd_combine (its template's R) */
+/* A fixed-length pass's end as the GPU hands its blocks out: in grid order (KDA__FZ_GRID: the
+ * piece fastest, then the value head, then the column block; where the blocks pair, a cluster's
+ * two column blocks together), each to the multiprocessor that frees first. b[i].d: slot i's
+ * duration, < 0 where its blocks end at once; b[i].n != 0: its column blocks from nvb on end at
+ * once too (an exact split's first piece has no identity blocks where they do not pair). */
+static double kda__fz_inorder(const kda__blocks *b, long long np, long long HV, long long ncb, long long nvb, int pairs, int sms,
+                              double *h) {
+    long long c, y, x, u, z, blocks = 0;
+    double top = 0.0, work = 0.0;
+    for (x = 0; x < np; x++)
+        if (b[x].d >= 0) blocks += HV * (b[x].n ? nvb : ncb), work += b[x].d * (double)HV * (double)(b[x].n ? nvb : ncb);
+    if (blocks > 4LL * sms) return work / sms;
+    for (c = 0; c < sms; c++) h[c] = 0.0;
+    for (c = 0; c < (pairs ? ncb / 2 : ncb); c++)
+        for (y = 0; y < HV; y++)
+            for (x = 0; x < np; x++)
+                for (u = 0; u < (pairs ? 2 : 1); u++) {
+                    z = pairs ? 2 * c + u : c;
+                    if (b[x].d >= 0 && !(b[x].n && z >= nvb)) {
+                        const double e = kda__heap_take(h, sms, b[x].d);
+                        top = e > top ? e : top;
+                    }
+                }
+    return top;
+}
+/* (tun: an unpaired transition pass's chunk cost against the output pass's, by which the
+ * plan's time is scaled: 1 / KDA__PAIR_COST where only the output pass pairs; pairs: the
+ * output pass pairs; inorder: fixed lengths timed in grid order, as a cut whose pieces differ
+ * in length needs, not longest first) */
 static double kda__fz_time(const kda_problem *p, const kda__kdesc *kf, const long long *len, long long np, const int *f,
-                           const int *q, long long warm, double tcost, int sms, kda__blocks *b1, kda__blocks *b0, double *h) {
+                           const int *q, long long warm, double tcost, double tun, int pairs, int inorder, int sms, kda__blocks *b1,
+                           kda__blocks *b0, double *h) {
     long long nvb = kda__fused_vblocks(kf, p), nkb = kda__fused_kblocks(kf, p), i, n0 = 0, n1 = 0, split = 0;
     for (i = 0; i < np; i++) {
         int s0, last;
         double d = (double)kda__fz_run(len, np, f, q, i, warm, &s0, &last) + KDA__FZ_FIXED;
         split |= !(s0 && last);
+        if (inorder) { /* every slot, in order */
+            b0[i].d = warm >= 0 || (s0 && last) || !s0 ? d : -1.0, b0[i].n = 0;
+            b1[i].d = warm < 0 && !last ? (tcost > 0 ? d * tcost : d * tun) : -1.0, b1[i].n = s0 && tcost <= 0;
+            n1 += warm < 0 && !last;
+            continue;
+        }
         if (warm >= 0 || (s0 && last) || !s0) b0[n0].d = d, b0[n0++].n = nvb * p->HV;
-        if (warm < 0 && !last) b1[n1].d = tcost > 0 ? d * tcost : d, b1[n1++].n = (s0 && tcost <= 0 ? nvb : nvb + nkb) * p->HV;
+        if (warm < 0 && !last) b1[n1].d = tcost > 0 ? d * tcost : d * tun, b1[n1++].n = (s0 && tcost <= 0 ? nvb : nvb + nkb) * p->HV;
     }
+    if (inorder)
+        return kda__fz_inorder(b0, np, p->HV, nvb, nvb, pairs, sms, h) +
+               (n1 ? kda__fz_inorder(b1, np, p->HV, nvb + nkb, nvb, tcost > 0, sms, h) : 0.0) + (warm >= 0 && split ? KDA__FZ_CHECK : 0.0);
     return kda__launch_time(b0, n0, sms, h) + (n1 ? kda__launch_time(b1, n1, sms, h) : 0.0) +
            (warm >= 0 && split ? KDA__FZ_CHECK : 0.0);
 }
@@ -3951,6 +3991,47 @@ static kda_status kda__fz_columns_plan(kda_context *ctx, const long long *len, l
     kda__free(ctx, x.mem);
     return KDA_OK;
 }
+/* The exact split's lead for candidate i (kda__fz_cut's warm: a sequence's first piece runs
+ * that many chunks more than its others). A first piece runs in the transition pass alone
+ * (unpaired, with its V columns only), a later one there with K identity columns too and
+ * again in the output pass, so a longer first piece beside shorter later ones can end both
+ * passes sooner. Tried: leads of half to 3 of the longest sequence's uniform pieces by
+ * halves, then the best refined by quarters, eighths and on to single chunks, each timed in
+ * grid order (kda__fz_inorder); returns the lead of the shortest time under t0 (lead 0's), in
+ * *bt, or 0 (later pieces keep at least 8 chunks). kda__fused_plan takes a led cut where it
+ * beats the best cut without a lead by 5%. Fixed lengths only (varlen's plans change with the
+ * lengths: a few dozen walks each time), and not where the transition pass pairs: with
+ * clusters of two the model missed (B1 T8192 H32, K = V = 128: 296 chunk-times against the
+ * uniform cut's 315, measured +28%, and +12% with the blocks handed out piece by piece, a
+ * grid order that cost B8 T4096 H16 3% and was not kept; bench/RESULTS.md).
+ * Kimi-init gates on an H100 (2026-11-27): K = V = 64 B1 T8192 H32 -8% (model 276 -> 230),
+ * K128 V256 B2 T8192 H16 and B1 T8192 H32 -5.5% (128-column blocks in 3 pieces, 393, against
+ * 64-column blocks unsplit, 419), K = V = 64 B1 T65536 H16 -6% (1123 -> 1010); K128 V256 B1
+ * T16384 H8 +2.3% (342 -> 326: under the 5%, so not taken). */
+static long long kda__fz_lead(const kda_problem *p, const kda__kdesc *kf, const long long *len, long long nseq, long long maxnch,
+                              long long i, double tcost, double tun, int pairs, int sms, double t0, kda__blocks *b, long long room,
+                              double *h, int *f, int *q, double *bt) {
+    const long long sn = kda__fz_sn(maxnch, maxnch, i), e0 = kda__fz_each(maxnch, sn, 0);
+    long long best = 0, k, step, np, nseg;
+    *bt = t0;
+    if (sn < 2 || tcost > 0) return 0;
+    for (k = 1; k <= 6; k++) {
+        const long long lead = k * e0 / 2;
+        if (kda__fz_each(maxnch, sn, lead) - lead < 8) break;
+        np = kda__fz_pieces(len, nseq, maxnch, i, lead, f, q, &nseg);
+        const double t = kda__fz_time(p, kf, len, np, f, q, -1, tcost, tun, pairs, 1, sms, b, b + room, h);
+        if (t < *bt) *bt = t, best = lead;
+    }
+    for (step = e0 / 4; step > 0; step /= 2)
+        for (k = -1; k <= 1; k += 2) {
+            const long long lead = best + k * step;
+            if (lead <= 0 || kda__fz_each(maxnch, sn, lead) - lead < 8) continue;
+            np = kda__fz_pieces(len, nseq, maxnch, i, lead, f, q, &nseg);
+            const double t = kda__fz_time(p, kf, len, np, f, q, -1, tcost, tun, pairs, 1, sms, b, b + room, h);
+            if (t < *bt) *bt = t, best = lead;
+        }
+    return best;
+}
 /* The plan for fwd_fused kernel kf: candidate i cuts the longest sequence into i pieces and
  * every other into pieces no longer than those. Within one count of waves (blocks per
  * multiprocessor, rounded up) more pieces are shorter, so the bounded split's model times
@@ -3963,13 +4044,19 @@ static kda_status kda__fz_columns_plan(kda_context *ctx, const long long *len, l
  * forces where it applies. */
 static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const long long *len,
                                   long long nseq, long long cap, long long warm, kda__fz_plan *pl) {
-    const char *env = getenv("KDA_SEGMENTS");
-    long long maxnch, i, lo, hi = 64, np, next, nseg, room, per = kda__fused_vblocks(kf, p) * p->HV;
+    const char *env = getenv("KDA_SEGMENTS"), *env_lead = getenv("KDA_LEAD");
+    long long maxnch, i, lo, hi = 64, np, next, nseg, room, lead, per = kda__fused_vblocks(kf, p) * p->HV;
+    /* the exact split's lead: searched with fixed lengths, 0 for varlen and forced segments, or KDA_LEAD's */
+    const long long force_lead = env_lead ? (atoll(env_lead) > 0 ? atoll(env_lead) : 0) : p->num_seqs > 0 || (env && atoi(env) > 0) ? 0 : -1;
     int sms = ctx->dev->sm_count ? ctx->dev->sm_count(ctx) : 0, *f, *q;
     const double tcost = warm < 0 && kda__fused_pairs(ctx, kf, p, 1) ? KDA__PAIR_COST : 0.0; /* a paired transition pass */
+    const int opairs = kda__fused_pairs(ctx, kf, p, 0) != NULL;              /* the output pass's column blocks pair */
+    const double tun = opairs && tcost <= 0 ? 1.0 / KDA__PAIR_COST : 1.0;  /* (kda__fz_time) */
     kda__blocks *b;
     double *h, t;
     char *mem;
+    kda__fz_plan led; /* the best led cut (the exact split, fixed lengths) */
+    memset(&led, 0, sizeof led);
     memset(pl, 0, sizeof *pl);
     pl->cand = 1;
     if (sms <= 0) sms = 1;
@@ -3996,11 +4083,18 @@ static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const 
         if (warm >= 0 && i > 1 && i < hi && next <= cap && next * per <= 4LL * sms &&
             (next * per + sms - 1) / sms == (np * per + sms - 1) / sms)
             continue; /* the next has as many waves (the exact split's transition pass has more blocks: all are timed) */
-        np = kda__fz_pieces(len, nseq, maxnch, i, warm, f, q, &nseg);
-        t = kda__fz_time(p, kf, len, np, f, q, warm, tcost, sms, b, b + room, h);
-        if (i == lo || t < pl->time * 0.97) pl->cand = i, pl->time = t, pl->np = np, pl->nseg = nseg;
+        lead = warm < 0 && force_lead > 0 ? force_lead : warm; /* (the cut's) */
+        np = kda__fz_pieces(len, nseq, maxnch, i, lead, f, q, &nseg);
+        t = kda__fz_time(p, kf, len, np, f, q, warm, tcost, tun, opairs, 0, sms, b, b + room, h);
+        if (i == lo || t < pl->time * 0.97) pl->cand = i, pl->time = t, pl->np = np, pl->nseg = nseg, pl->lead = lead > 0 && warm < 0 ? lead : 0;
+        if (warm < 0 && force_lead < 0 && (lead = kda__fz_lead(p, kf, len, nseq, maxnch, i, tcost, tun, opairs, sms, t, b, room, h, f, q, &t))) {
+            np = kda__fz_pieces(len, nseq, maxnch, i, lead, f, q, &nseg);
+            if (t < led.time * 0.97 || !led.lead) led = *pl, led.cand = i, led.time = t, led.np = np, led.nseg = nseg, led.lead = lead;
+        }
     }
-    pl->each = kda__fz_each(maxnch, kda__fz_sn(maxnch, maxnch, pl->cand), warm); /* (fixed lengths: all the longest) */
+    if (led.lead && led.time < pl->time * 0.95) *pl = led; /* (the model's time of a led cut is the less sure) */
+    /* (fixed lengths: all the longest) */
+    pl->each = kda__fz_each(maxnch, kda__fz_sn(maxnch, maxnch, pl->cand), warm >= 0 ? warm : pl->lead);
     kda__free(ctx, mem);
     if (warm >= 0 && p->num_seqs > 0 && !(env && atoi(env) > 0)) /* varlen: the column plan where it is faster */
         return kda__fz_columns_plan(ctx, len, nseq, per, sms, cap, warm, env && !strcmp(env, "columns"), pl);
@@ -4039,7 +4133,7 @@ static kda_status kda__fused_table(kda_context *ctx, const kda_problem *p, const
             return st;
         }
     } else {
-        kda__fz_pieces(len, nseq, kda__fz_maxnch(len, nseq), pl->cand, warm, f, q, &nseg);
+        kda__fz_pieces(len, nseq, kda__fz_maxnch(len, nseq), pl->cand, warm >= 0 ? warm : pl->lead, f, q, &nseg);
         for (i = 0; i < pl->np; i++) b[i].d = (double)kda__fz_run(len, pl->np, f, q, i, warm, &first, &last), b[i].n = i;
         qsort(b, (size_t)pl->np, sizeof *b, kda__blocks_longer);
     }
@@ -4071,7 +4165,8 @@ static double kda__fused_chunk_cost(kda_context *ctx, const kda__kdesc *k, const
  * columns), and *ke their value tile, picked for them alike: with Kimi Linear's gates, which
  * fail it, B1 T8192 H32 in 5 pieces against the bounded split's 4 took 0.676 ms against 0.742
  * (H100, 2026-11-25), and K128 V256 B2 T8192 H16 0.677 ms in the exact split's 64-column blocks
- * against 0.701 in the bounded split's 128-column pairs (H100, 2026-11-27). Without it *pe is
+ * against 0.701 in the bounded split's 128-column pairs (H100, 2026-11-27; since the exact
+ * split's lead, kda__fz_lead, 128-column blocks in 3 pieces a sequence, 0.640). Without it *pe is
  * *pl and *ke the tile. */
 static kda_status kda__fused_best(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const long long *len,
                                   long long nseq, long long cap, long long warm, kda__fz_plan *pl, const kda__kdesc **best) {
@@ -4123,10 +4218,10 @@ static const kda__kdesc *kda__fused_variant(kda_context *ctx, const kda_problem 
  * 2026-11-25), as long as a small forward's kernels; repeated calls (fixed shapes, the same
  * varlen batch) reuse it. The key is everything the plan reads: the problem's shape, the
  * lengths, the warm-up, the workspace's cap, the device's shared memory, and the tuning
- * variables KDA_SEGMENTS and KDA_FUSED_BV. */
+ * variables KDA_SEGMENTS, KDA_FUSED_BV and KDA_LEAD. */
 typedef struct {
     const kda__kdesc *asked;
-    long long N, HV, K, V, varlen, warm, cap, optin, segments, bv, pairs;
+    long long N, HV, K, V, varlen, warm, cap, optin, segments, bv, pairs, lead;
 } kda__fz_key;
 typedef struct {
     kda__fz_key key;
@@ -4160,6 +4255,7 @@ static const kda__kdesc *kda__fused_memo(kda_context *ctx, const kda_problem *p,
     key.asked = kf, key.N = nseq, key.HV = p->HV, key.K = p->K, key.V = p->V, key.varlen = p->num_seqs > 0;
     key.warm = warm, key.cap = cap, key.optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
     key.segments = es ? (strcmp(es, "columns") ? atoll(es) : -2) : -1, key.bv = eb ? atoll(eb) : -1, key.pairs = kda__env_int("KDA_FUSED_PAIRS", 1);
+    key.lead = getenv("KDA_LEAD") ? atoll(getenv("KDA_LEAD")) : -1;
     if (m && !memcmp(&m->key, &key, sizeof key) && !memcmp(m->len, len, sizeof(long long) * (size_t)nseq)) {
         *pl = m->pl;
         *pe = m->pe;
@@ -4255,6 +4351,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
              pl.np > N && warm >= 0 ? ", bounded split" : "", pairs ? ", column blocks in pairs" : "");
     if (pl.np > N && warm >= 0)
         kda__log(ctx, "%s: where a bound fails, the exact split in %lld piece(s), at most %lld a sequence", ke->name, pe.np, pe.nseg);
+    if (pe.np > N && pe.lead > 0) kda__log(ctx, "%s: the exact split's first pieces %lld chunks longer", ke->name, pe.lead);
     if ((s = kda__ws_acquire(ctx, tb + slack + bt + bs + bf + tp + te, &ws, &owned))) goto done;
     if ((s = kda__tables_upload(ctx, c, ws))) goto done;
     c->ht = out->ht;
@@ -4268,7 +4365,8 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     a.fz_npieces = pl.np;
     a.fz_nseg = pl.nseg; /* fixed lengths: every sequence's pieces (kda_fz_span) */
     a.fz_each = pl.each;
-    a.fz_warm = warm > 0 ? warm : 0; /* (the cut's too) */
+    a.fz_warm = warm > 0 ? warm : 0;
+    a.fz_lead = warm > 0 ? warm : pl.lead; /* (the cut's: the warm-up, or the exact split's lead) */
     /* grid of plan pp: (launch rank, column block, value head) in x with a table (pairs: (launch rank, value head, column block)),
      * else (sequence and piece, value head, column block) */
 #define KDA__FZ_GRID(pp, ncols) (grid[0] = (unsigned)((pp).tab ? (pp).np * p->HV * (ncols) : (pp).np), \
@@ -4284,7 +4382,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
         KDA__FZ_GRID(pl, nvb);
         if ((s = kda__chain_launch(ctx, &chained, pairs_b ? pairs_b : kda__fused_bounded(kf), grid, &a))) goto done;
         a.fz_piece = pe.tab ? etab : NULL; /* the exact passes' own cut */
-        a.fz_npieces = pe.np, a.fz_nseg = pe.nseg, a.fz_each = pe.each, a.fz_warm = 0;
+        a.fz_npieces = pe.np, a.fz_nseg = pe.nseg, a.fz_each = pe.each, a.fz_warm = 0, a.fz_lead = pe.lead;
     }
     if (pe.np > N) {
         a.fz_trans = (float *)KDA__FZ_BUF(bt);

@@ -68,6 +68,8 @@ static std::vector<unsigned char> emu_o_bounded; // o as the bounded pass left i
 static size_t emu_o_bytes;                       // (0: none copied; a test that sets it clears it after)
 static long long emu_cut[2];                    // and its pieces a sequence and their chunks (fixed lengths)
 static long long emu_exact_cut[3];              // the exact passes' after it: pieces, a sequence's, their chunks
+static long long emu_trans_cut[2] = {-1, -1};   // the last transition pass's fz_each and fz_lead (fixed lengths' cut)
+static std::vector<int> emu_trans_first;        // and its piece table's first chunks by slot (varlen)
 static std::vector<double> emu_warm_sums;      // fwd_bound's bound recomputed on the host: [slot][HV], NAN where no state is dropped
 // B = sum over a piece's warm-up tokens of max_d g_t[d] / ln 2 in double, from the launch's
 // own pieces (its table; fixed lengths cut by kda.h's kda__fz_cut, which kda_fz_span follows)
@@ -80,7 +82,7 @@ static void emu_warm_sums_of(const kda__kparams *a) {
     memset(&gi, 0, sizeof gi);
     gi.A_log = a->A_log, gi.dt_bias = a->dt_bias;
     std::vector<int> first(a->fz_piece ? 0 : a->fz_nseg);
-    if (!a->fz_piece) kda__fz_cut((a->T + 15) / 16, a->fz_nseg, a->fz_warm, first.data());
+    if (!a->fz_piece) kda__fz_cut((a->T + 15) / 16, a->fz_nseg, a->fz_lead, first.data());
     for (long long slot = 0; slot < a->fz_npieces; slot++) {
         const long long n = a->fz_piece ? a->fz_piece[a->fz_npieces + slot] : slot / a->fz_nseg;
         const long long cb = a->fz_piece ? a->fz_piece[2 * a->fz_npieces + slot] : first[slot % a->fz_nseg];
@@ -162,6 +164,10 @@ static kda_status emu_launch(kda_context *ctx, const kda__kdesc *k, const unsign
                     emu_pieces.assign(a->fz_piece, a->fz_piece ? a->fz_piece + 3 * a->fz_npieces + a->N + 1 : a->fz_piece),
                     emu_cut[0] = a->fz_nseg, emu_cut[1] = a->fz_each, emu_redo = a->fz_redo ? *a->fz_redo == (int)a->fz_call : -1,
                     emu_o_bounded.assign((const unsigned char *)a->o, (const unsigned char *)a->o + emu_o_bytes);
+            if ((!strcmp(k->stage, "fwd_fused") || !strcmp(k->stage, "fwd_fused_pairs")) && a->fz_mode == 1)
+                emu_trans_cut[0] = a->fz_each, emu_trans_cut[1] = a->fz_lead,
+                emu_trans_first.assign(a->fz_piece ? a->fz_piece + 2 * a->fz_npieces : a->fz_piece,
+                                       a->fz_piece ? a->fz_piece + 3 * a->fz_npieces : a->fz_piece);
             if ((!strcmp(k->stage, "fwd_fused") || !strcmp(k->stage, "fwd_fused_pairs")) && a->fz_mode == 0 && a->fz_flags)
                 emu_exact_cut[0] = a->fz_npieces, emu_exact_cut[1] = a->fz_nseg, emu_exact_cut[2] = a->fz_each;
             return KDA_OK;
@@ -664,6 +670,38 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
     kda_context_destroy(cpu);
 }
 
+// The exact split with its first piece the longer (KDA_LEAD=2, KDA_SPLIT=exact, KDA_SEGMENTS=3),
+// as run_fused checks a forward: B2 T150 (10 chunks: pieces of 5, 3 and 2, which the
+// emulator's transition pass shows as fz_each 5 and fz_lead 2) and varlen sequences of 150,
+// 40 and 97 tokens (its piece table: the first from chunks 0, 5 and 8, the second whole, the
+// third from 0 and 5), 128 columns (the transition pass's value and identity blocks in pairs)
+// and 64
+static void run_fused_exact_split_with_a_lead() {
+    kda_problem p = kda_problem_default(2, 150, 1, 128, 128);
+    p.HV = 2; p.dtype = KDA_BF16; p.gate = KDA_GATE_SOFTPLUS; p.qk_l2norm = 1;
+    const Cfg fixed = {"fused_B2_T150_exact_split_lead2", p, {}, 1, 0};
+    p = kda_problem_default(1, 287, 1, 128, 128);
+    p.HV = 2; p.dtype = KDA_BF16; p.gate = KDA_GATE_SOFTPLUS; p.qk_l2norm = 1; p.num_seqs = 3; p.seqlens_type = KDA_INDEX_I64;
+    const Cfg varlen = {"fused_varlen_exact_split_lead2", p, {0, 150, 190, 287}, 1, 0};
+    setenv("KDA_SPLIT", "exact", 1); setenv("KDA_LEAD", "2", 1);
+    for (const char *bv : {"128", "64"}) {
+#ifdef KDA_TEST_EMU
+        emu_trans_cut[0] = emu_trans_cut[1] = -1;
+#endif
+        run_fused(fixed, "3", GATE_PLAIN, bv);
+#ifdef KDA_TEST_EMU
+        CHECK(emu_trans_cut[0] == 5 && emu_trans_cut[1] == 2, "exact split with a lead (bv %s): the transition pass cut fz_each %lld, fz_lead %lld (want 5, 2)",
+              bv, emu_trans_cut[0], emu_trans_cut[1]);
+        emu_trans_first.clear();
+#endif
+        run_fused(varlen, "3", GATE_PLAIN, bv);
+#ifdef KDA_TEST_EMU
+        CHECK(emu_trans_first == std::vector<int>({0, 5, 8, 0, 0, 5}), "exact split with a lead (varlen, bv %s): the piece table's first chunks are not 0 5 8 0 0 5", bv);
+#endif
+    }
+    unsetenv("KDA_SPLIT"); unsetenv("KDA_LEAD");
+}
+
 // A NaN in g (one value, row 20) or in A_log stays NaN in the fused forward's o, as on the
 // CPU: the log decay's floor and the bounds on exp(A_log) keep NaN (max.NaN, min.NaN), where
 // fmaxf would turn a NaN gate into a decay and hide the bad input. Rows 0-15 (before the
@@ -1123,6 +1161,53 @@ static void run_fused_exact_plan_times_every_candidate() {
     kda_context_destroy(ctx);
 }
 
+// The exact split's lead (host only), on 132 multiprocessors, the split that Kimi Linear's
+// gates run (every warm-up's bound fails): K = V = 64 B1 T8192 H32 leads, its first piece 97
+// chunks longer than the other 4 (model 229.6 chunk-times against 276 without; H100, Kimi-init
+// gates: -8%); K128 V256 B2 T8192 H16 takes 128-column blocks in 3 pieces a sequence led by 137
+// chunks (393.2) over 64-column blocks unsplit (419.2; -5.5%); K = V = 128 B1 T8192 H32, whose
+// transition pass pairs, does not lead (the model misses there: +12-28% measured); nor does
+// K128 V256 B1 T16384 H8, where the lead's 4.6% is under the 5% it must beat lead 0 by
+static void run_fused_exact_split_leads_with_a_longer_first_piece() {
+    t_current = "fused";
+    kda_context *ctx = emu_ctx_sms(132, "exact lead");
+    if (!ctx) return;
+    auto kernel = [](const char *name) -> const kda__kdesc * {
+        for (int i = 0; i < KDA__NUM_KERNELS; i++)
+            if (!strcmp(kda__kernels[i].name, name)) return &kda__kernels[i];
+        return NULL;
+    };
+    const kda__kdesc *k64 = kernel("kda_fwd_fused_dtypebf16_bk64_bv64_varlen0"), *k128 = emu_fused_128();
+    struct Want { int B, T, H, K, V; int bv; long long np, lead; double time, unled; } want[] = {
+        {1, 8192, 32, 64, 64, 64, 5, 97, 229.6, 276.0},
+        {2, 8192, 16, 128, 256, 128, 6, 137, 393.19, 419.2},
+        {1, 8192, 32, 128, 128, 128, 5, 0, 315.1, 315.1},
+        {1, 16384, 8, 128, 256, 128, 6, 0, 342.21, 342.21},
+    };
+    for (const Want &w : want) {
+        kda_problem p = kda_problem_default(w.B, w.T, w.H, w.K, w.V);
+        p.dtype = KDA_BF16; p.qk_l2norm = 1;
+        const std::vector<long long> len((size_t)w.B, w.T);
+        kda__fz_plan pl[2], pe[2];
+        const kda__kdesc *ke = NULL, *kx[2] = {NULL, NULL};
+        kda_status st = KDA_OK;
+        for (int led = 0; led < 2; led++) { // KDA_LEAD=0, then the plan's own
+            memset(&pl[led], 0, sizeof pl[led]); memset(&pe[led], 0, sizeof pe[led]);
+            if (!led) setenv("KDA_LEAD", "0", 1);
+            kx[led] = kda__fused_variant(ctx, &p, w.K <= 64 ? k64 : k128, len.data(), w.B, LLONG_MAX, -1, &pl[led], &pe[led], &ke, &st);
+            unsetenv("KDA_LEAD");
+            CHECK(kx[led] && st == KDA_OK, "exact lead: %s", kda_last_error(ctx));
+        }
+        if (kx[0] && kx[1])
+            CHECK(kx[1]->bv == w.bv && pl[1].np == w.np && pl[1].lead == w.lead && fabs(pl[1].time - w.time) < 0.01 &&
+                      fabs(pl[0].time - w.unled) < 0.01,
+                  "exact lead, B%d T%d H%d K%d V%d: %d columns, %lld pieces led by %lld, %g chunk-times (%g without) (want %d, %lld, %lld, %g, %g)",
+                  w.B, w.T, w.H, w.K, w.V, kx[1]->bv, pl[1].np, pl[1].lead, pl[1].time, pl[0].time, w.bv, w.np, w.lead, w.time, w.unled);
+        for (int led = 0; led < 2; led++) kda__fused_drop(ctx, &pl[led], &pe[led]);
+    }
+    kda_context_destroy(ctx);
+}
+
 // The column plan (host only), compare_fla's varlen batch (its 8 lengths, H16, K = V = 128)
 // on 132 multiprocessors: 8 columns of 16 blocks at a makespan of 290 chunk-times, which the
 // bounded split takes over the best uniform cut (candidate 4: 305 by the same model). Its
@@ -1173,24 +1258,25 @@ static void run_fused_column_plan_pairs_long_pieces_with_short() {
     kda_context_destroy(ctx);
 }
 
-// The exact passes pick their own value tile (host only), K128 V256 B2 T8192 H16 on 132
+// The exact passes pick their own value tile (host only), K128 V256 B4 T2048 H8 on 132
 // multiprocessors: the bounded split runs 128-column pairs, while the exact passes that redo
 // it where a bound fails run 64-column blocks, the tile and plan the exact split alone
-// (KDA_SPLIT=exact) takes.
+// (KDA_SPLIT=exact) takes. (B2 T8192 H16 did so too until the exact split's lead: now 128
+// columns in 3 pieces a sequence there, run_fused_exact_split_leads_with_a_longer_first_piece.)
 static void run_fused_exact_passes_pick_their_own_tile() {
     t_current = "fused";
     kda_context *ctx = emu_ctx_sms(132, "exact tile");
     if (!ctx) return;
-    kda_problem p = kda_problem_default(2, 8192, 16, 128, 256);
+    kda_problem p = kda_problem_default(4, 2048, 8, 128, 256);
     p.dtype = KDA_BF16; p.qk_l2norm = 1;
     const kda__kdesc *kf = emu_fused_128(), *ke = NULL, *kb, *kx, *kxe;
-    const long long len[2] = {8192, 8192};
+    const long long len[4] = {2048, 2048, 2048, 2048};
     kda__fz_plan pl, pe, xl, xe;
     kda_status st = KDA_OK;
     memset(&pl, 0, sizeof pl); memset(&pe, 0, sizeof pe); memset(&xl, 0, sizeof xl); memset(&xe, 0, sizeof xe);
-    kb = kf ? kda__fused_variant(ctx, &p, kf, len, 2, LLONG_MAX, 16, &pl, &pe, &ke, &st) : NULL;
+    kb = kf ? kda__fused_variant(ctx, &p, kf, len, 4, LLONG_MAX, 16, &pl, &pe, &ke, &st) : NULL;
     CHECK(kb && ke && st == KDA_OK, "exact tile: %s", kda_last_error(ctx));
-    kx = kf && kb ? kda__fused_variant(ctx, &p, kf, len, 2, LLONG_MAX, -1, &xl, &xe, &kxe, &st) : NULL;
+    kx = kf && kb ? kda__fused_variant(ctx, &p, kf, len, 4, LLONG_MAX, -1, &xl, &xe, &kxe, &st) : NULL;
     CHECK(kx && kxe == kx && st == KDA_OK, "exact tile, the exact split alone: %s", kda_last_error(ctx));
     if (kb && ke && kx) {
         CHECK(kb->bv == 128 && ke->bv == 64, "exact tile: the bounded split's tile %d (want 128), the exact passes' %d (want 64)",
@@ -1578,6 +1664,7 @@ int main(int argc, char **argv) {
             if (gate != GATE_WIDE) run_fused(cf, "2", gate, "64"), run_fused(cf, "3", gate, "128"); // varlen: sequences of 1, 2 and 3 segments, an empty one
         }
         if (!race) run_fused_keeps_nan();
+        run_fused_exact_split_with_a_lead();
         if (!race) run_fused_bounded_split(64, LATE_NONE, false), run_fused_bounded_split(100, LATE_NONE, false);
         // 128 columns, the bounded kernels the benchmark's split shapes run (the others take 64)
         run_fused_bounded_split(100, LATE_NONE, false, "128");
@@ -1592,9 +1679,6 @@ int main(int argc, char **argv) {
         if (!race) run_fused_column_plan_end_to_end(true);
 #ifdef KDA_TEST_EMU
         run_fused_replans_for_new_lengths();
-        run_fused_exact_plan_times_every_candidate();
-        run_fused_column_plan_pairs_long_pieces_with_short();
-        run_fused_exact_passes_pick_their_own_tile();
         // (clusters of two 512-thread blocks, slow under the sanitizers: make test runs it)
         if (!quick && !race) run_fused_failed_bounds_redone_in_the_exact_tile();
         if (!race) run_fused_bound_flags_match_the_warmup_sums(); // (values, not races: the bounded splits above run both kernels under --race)
@@ -1605,6 +1689,14 @@ int main(int argc, char **argv) {
         run_fused_splits_as_far_as_the_workspace_holds(fused_configs()[2]);
 #endif
     }
+#ifdef KDA_TEST_EMU
+    if (want("fused") || want("plan")) { // the fused forward's plans, host only
+        run_fused_exact_plan_times_every_candidate();
+        run_fused_exact_split_leads_with_a_longer_first_piece();
+        run_fused_column_plan_pairs_long_pieces_with_short();
+        run_fused_exact_passes_pick_their_own_tile();
+    }
+#endif
     kda_context_destroy(g_dev);
 #ifdef KDA_TEST_EMU
     printf("%d kernel launches emulated\n", emu_launches);
