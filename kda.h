@@ -3826,14 +3826,14 @@ static double kda__fz_inorder(const kda__blocks *b, long long np, long long HV, 
                 }
     return top;
 }
-/* (tun: an unpaired transition pass's chunk cost against the output pass's, by which the
- * plan's time is scaled: 1 / KDA__PAIR_COST where only the output pass pairs; pairs: the
- * output pass pairs; inorder: fixed lengths timed in grid order, as a cut whose pieces differ
- * in length needs, not longest first) */
+/* (pairs: the output pass pairs, and the plan's time is scaled by KDA__PAIR_COST, so an
+ * unpaired transition pass's blocks take 1 / KDA__PAIR_COST; inorder: fixed lengths timed in
+ * grid order, as a cut whose pieces differ in length needs, not longest first) */
 static double kda__fz_time(const kda_problem *p, const kda__kdesc *kf, const long long *len, long long np, const int *f,
-                           const int *q, long long warm, double tcost, double tun, int pairs, int inorder, int sms, kda__blocks *b1,
+                           const int *q, long long warm, double tcost, int pairs, int inorder, int sms, kda__blocks *b1,
                            kda__blocks *b0, double *h) {
     long long nvb = kda__fused_vblocks(kf, p), nkb = kda__fused_kblocks(kf, p), i, n0 = 0, n1 = 0, split = 0;
+    const double tun = pairs && tcost <= 0 ? 1.0 / KDA__PAIR_COST : 1.0;
     for (i = 0; i < np; i++) {
         int s0, last;
         double d = (double)kda__fz_run(len, np, f, q, i, warm, &s0, &last) + KDA__FZ_FIXED;
@@ -4009,7 +4009,7 @@ static kda_status kda__fz_columns_plan(kda_context *ctx, const long long *len, l
  * 64-column blocks unsplit, 419), K = V = 64 B1 T65536 H16 -6% (1123 -> 1010); K128 V256 B1
  * T16384 H8 +2.3% (342 -> 326: under the 5%, so not taken). */
 static long long kda__fz_lead(const kda_problem *p, const kda__kdesc *kf, const long long *len, long long nseq, long long maxnch,
-                              long long i, double tcost, double tun, int pairs, int sms, double t0, kda__blocks *b, long long room,
+                              long long i, double tcost, int pairs, int sms, double t0, kda__blocks *b, long long room,
                               double *h, int *f, int *q, double *bt) {
     const long long sn = kda__fz_sn(maxnch, maxnch, i), e0 = kda__fz_each(maxnch, sn, 0);
     long long best = 0, k, step, np, nseg;
@@ -4019,7 +4019,7 @@ static long long kda__fz_lead(const kda_problem *p, const kda__kdesc *kf, const 
         const long long lead = k * e0 / 2;
         if (kda__fz_each(maxnch, sn, lead) - lead < 8) break;
         np = kda__fz_pieces(len, nseq, maxnch, i, lead, f, q, &nseg);
-        const double t = kda__fz_time(p, kf, len, np, f, q, -1, tcost, tun, pairs, 1, sms, b, b + room, h);
+        const double t = kda__fz_time(p, kf, len, np, f, q, -1, tcost, pairs, 1, sms, b, b + room, h);
         if (t < *bt) *bt = t, best = lead;
     }
     for (step = e0 / 4; step > 0; step /= 2)
@@ -4027,7 +4027,7 @@ static long long kda__fz_lead(const kda_problem *p, const kda__kdesc *kf, const 
             const long long lead = best + k * step;
             if (lead <= 0 || kda__fz_each(maxnch, sn, lead) - lead < 8) continue;
             np = kda__fz_pieces(len, nseq, maxnch, i, lead, f, q, &nseg);
-            const double t = kda__fz_time(p, kf, len, np, f, q, -1, tcost, tun, pairs, 1, sms, b, b + room, h);
+            const double t = kda__fz_time(p, kf, len, np, f, q, -1, tcost, pairs, 1, sms, b, b + room, h);
             if (t < *bt) *bt = t, best = lead;
         }
     return best;
@@ -4050,8 +4050,7 @@ static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const 
     const long long force_lead = env_lead ? (atoll(env_lead) > 0 ? atoll(env_lead) : 0) : p->num_seqs > 0 || (env && atoi(env) > 0) ? 0 : -1;
     int sms = ctx->dev->sm_count ? ctx->dev->sm_count(ctx) : 0, *f, *q;
     const double tcost = warm < 0 && kda__fused_pairs(ctx, kf, p, 1) ? KDA__PAIR_COST : 0.0; /* a paired transition pass */
-    const int opairs = kda__fused_pairs(ctx, kf, p, 0) != NULL;              /* the output pass's column blocks pair */
-    const double tun = opairs && tcost <= 0 ? 1.0 / KDA__PAIR_COST : 1.0;  /* (kda__fz_time) */
+    const int opairs = kda__fused_pairs(ctx, kf, p, 0) != NULL; /* the output pass's column blocks pair */
     kda__blocks *b;
     double *h, t;
     char *mem;
@@ -4085,9 +4084,9 @@ static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const 
             continue; /* the next has as many waves (the exact split's transition pass has more blocks: all are timed) */
         lead = warm < 0 && force_lead > 0 ? force_lead : warm; /* (the cut's) */
         np = kda__fz_pieces(len, nseq, maxnch, i, lead, f, q, &nseg);
-        t = kda__fz_time(p, kf, len, np, f, q, warm, tcost, tun, opairs, 0, sms, b, b + room, h);
+        t = kda__fz_time(p, kf, len, np, f, q, warm, tcost, opairs, 0, sms, b, b + room, h);
         if (i == lo || t < pl->time * 0.97) pl->cand = i, pl->time = t, pl->np = np, pl->nseg = nseg, pl->lead = lead > 0 && warm < 0 ? lead : 0;
-        if (warm < 0 && force_lead < 0 && (lead = kda__fz_lead(p, kf, len, nseq, maxnch, i, tcost, tun, opairs, sms, t, b, room, h, f, q, &t))) {
+        if (warm < 0 && force_lead < 0 && (lead = kda__fz_lead(p, kf, len, nseq, maxnch, i, tcost, opairs, sms, t, b, room, h, f, q, &t))) {
             np = kda__fz_pieces(len, nseq, maxnch, i, lead, f, q, &nseg);
             if (t < led.time * 0.97 || !led.lead) led = *pl, led.cand = i, led.time = t, led.np = np, led.nseg = nseg, led.lead = lead;
         }
