@@ -7,7 +7,7 @@
 //   build/test_gpu         the real CUDA backend on the machine's GPU (make test-gpu).
 // All device data goes through kda_malloc / kda_memcpy / kda_memset.
 //
-//   build/test_gpu_stages [--quick] [--race] [stage ...]    (stages: prepare intra ... bwd_qkb ops)
+//   build/test_gpu_stages [--quick] [--paths] [--race] [stage ...]    (stages: prepare intra ... bwd_qkb ops)
 //
 // For each problem and stage: the CPU runs the stages up to this one; the device
 // starts from a copy of the CPU's work buffer taken just before the stage, with
@@ -1640,11 +1640,45 @@ static void run_ops(const Cfg &cf) {
     kda_context_destroy(cpu);
 }
 
+// --paths and --race (CI's runs under the sanitizers): one run of each path the fused kernels'
+// warps take through memory and their shared buffers (key tile, value columns, pairs,
+// varlen, element-wise fetch, the factor fallbacks), not every case of values, which make
+// test runs: every case under ThreadSanitizer took 14 of CI's minutes. A split, which runs
+// segment 0 with output too.
+struct PathRun { const char *config, *segments, *bv; };
+static const PathRun path_runs[] = {
+    {"fused_varlen_K128_V64_lowerbound_negeig_vk_f16", "3", "128"}, // 128-key tile, varlen
+    {"fused_wide_gate_T50_K48_V24_bf16", "1", "64"},               // the per-pair fallback
+    {"fused_strong_gate_T60_K128_V32_bf16", "2", "64"},            // factored through row 7
+    {"fused_strong_gate_T60_K48_V32_bf16", "3", "128"},            // (64-key tile)
+    {"fused_B2_T63_K60_V36_bf16g_unaligned_rows", "2", "64"},      // 64-key tile, element-wise fetch and store
+    {"fused_B2_T80_K128_V144_two_column_blocks_bf16", "3", "128"}, // pairs
+    {"fused_varlen_K64_V256_two_column_blocks_f16", "3", "128"},   // pairs, varlen
+    {"fused_B1_T45_K128_V128_l2norm_f16", "3", "128"},             // the row norms by mma
+};
+static const PathRun *path_run(const Cfg &cf) {
+    for (const PathRun &r : path_runs)
+        if (!strcmp(r.config, cf.name)) return &r;
+    return NULL;
+}
+// a renamed config must not drop out of the path runs unseen
+static void path_runs_name_configs() {
+    t_current = "fused";
+    for (const PathRun &r : path_runs) {
+        bool found = false;
+        for (const Cfg &cf : fused_configs()) found |= !strcmp(r.config, cf.name);
+        CHECK(found, "path run %s names a fused config", r.config);
+    }
+}
+
 int main(int argc, char **argv) {
-    bool quick = false, race = false; // race: make test-race's run (ThreadSanitizer makes each barrier slow)
+    // race: make test-race's run (ThreadSanitizer makes each barrier slow); paths: the fused
+    // forward's kernel paths once each (path_runs), as the sanitizers' runs take it
+    bool quick = false, race = false, paths = false;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick")) quick = true;
         else if (!strcmp(argv[i], "--race")) race = true;
+        else if (!strcmp(argv[i], "--paths")) paths = true;
         else g_only.push_back(argv[i]);
     }
     g_dev = dev_ctx();
@@ -1656,37 +1690,47 @@ int main(int argc, char **argv) {
         if (want("ops")) run_ops(cf);
     }
     if (want("fused")) {
+        const bool every = !quick && !race, lean = paths || race; // lean: the sanitizers' runs
         run_fused_plan_model();
         for (const Cfg &cf : fused_configs()) {
             const FusedGate gate = fused_gate(cf);
-            if (race && gate == GATE_CUT) continue; // (values, not races)
-            if (gate == GATE_WIDE || !race) run_fused(cf, "1", gate, "64"), run_fused(cf, "1", gate, "128"); // --race: the splits, which run segment 0 with output too
+            if (lean) {
+                if (const PathRun *r = path_run(cf)) run_fused(cf, r->segments, gate, r->bv);
+                continue;
+            }
+            run_fused(cf, "1", gate, "64"), run_fused(cf, "1", gate, "128");
             if (gate != GATE_WIDE) run_fused(cf, "2", gate, "64"), run_fused(cf, "3", gate, "128"); // varlen: sequences of 1, 2 and 3 segments, an empty one
         }
+        if (lean) path_runs_name_configs();
         if (!race) run_fused_keeps_nan();
-        if (!quick && !race) run_fused_exact_split_with_a_lead(); // (clusters of two 512-thread blocks, slow under the sanitizers)
-        if (!race) run_fused_bounded_split(64, LATE_NONE, false), run_fused_bounded_split(100, LATE_NONE, false);
+        if (every) run_fused_exact_split_with_a_lead(); // (clusters of two 512-thread blocks, slow under the sanitizers)
+        // the bounded split: 64 columns, fixed lengths (K = 100: fetched element by element) and varlen
+        if (!race) run_fused_bounded_split(100, LATE_NONE, false);
+        run_fused_bounded_split(64, LATE_GATE, true);
+        run_fused_bounded_split(64, LATE_BETA, false); // --race too: its b check reads the warm-up length a group's warps share (53c4c1e's race)
         // 128 columns, the bounded kernels the benchmark's split shapes run (the others take 64)
         run_fused_bounded_split(100, LATE_NONE, false, "128");
-        if (!race) run_fused_bounded_split(64, LATE_GATE, true, "128");
-        run_fused_bounded_split(64, LATE_GATE, false);
-        run_fused_bounded_split(64, LATE_GATE, true);
-        if (!race) run_fused_bounded_split(64, LATE_GATE, true, "64", 32, true); // no warm-up fails: the sequence of one piece in the bounded pass
-        run_fused_bounded_split(64, LATE_BETA, false); // --race too: its b check reads the warm-up length a group's warps share (53c4c1e's race)
         // two 128-column blocks (on Hopper a pair: each block flags the chunks its own groups built)
-        if (!race) run_fused_bounded_split(64, LATE_GATE, true, "128", 144), run_fused_bounded_split(100, LATE_NONE, false, "128", 144);
-        run_fused_column_plan_end_to_end(false);
+        if (!race) run_fused_bounded_split(64, LATE_GATE, true, "128", 144);
+        if (!lean) {
+            run_fused_bounded_split(64, LATE_NONE, false);
+            run_fused_bounded_split(64, LATE_GATE, false);
+            run_fused_bounded_split(64, LATE_GATE, true, "128");
+            run_fused_bounded_split(64, LATE_GATE, true, "64", 32, true); // no warm-up fails: the sequence of one piece in the bounded pass
+            run_fused_bounded_split(100, LATE_NONE, false, "128", 144);
+            run_fused_column_plan_end_to_end(false);
+        }
         if (!race) run_fused_column_plan_end_to_end(true);
 #ifdef KDA_TEST_EMU
-        run_fused_replans_for_new_lengths();
+        if (!race) run_fused_replans_for_new_lengths();
         // (clusters of two 512-thread blocks, slow under the sanitizers: make test runs it)
-        if (!quick && !race) run_fused_failed_bounds_redone_in_the_exact_tile();
-        if (!race) run_fused_bound_flags_match_the_warmup_sums(); // (values, not races: the bounded splits above run both kernels under --race)
-#endif
-#ifdef KDA_TEST_EMU
-        run_fused_declines_without_shared_memory(fused_configs()[0]);
-        run_fused_takes_the_tile_that_fits(fused_configs()[1]); // K = 128
-        run_fused_splits_as_far_as_the_workspace_holds(fused_configs()[2]);
+        if (every) run_fused_failed_bounds_redone_in_the_exact_tile();
+        if (!lean) run_fused_bound_flags_match_the_warmup_sums(); // (values: the bounded splits above run both kernels)
+        if (!race) { // (plans and declines, not races)
+            run_fused_declines_without_shared_memory(fused_configs()[0]);
+            run_fused_takes_the_tile_that_fits(fused_configs()[1]); // K = 128
+            run_fused_splits_as_far_as_the_workspace_holds(fused_configs()[2]);
+        }
 #endif
     }
 #ifdef KDA_TEST_EMU
