@@ -172,6 +172,16 @@ def emit_emu(common, entries, shards):
     return "\n".join(out) + "\n"
 
 
+def write_whole(path, text):
+    """Writes path by renaming a finished file onto it: make -j may run the generator for each of
+    its two targets while a compiler reads them, and a reader must never see half a file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(ROOT, "kernels_generated", "kda_kernels.h"))
@@ -190,9 +200,7 @@ def main():
         return 0
     text = emit(common, entries)
     if args.emu:
-        os.makedirs(os.path.dirname(os.path.abspath(args.emu)), exist_ok=True)
-        with open(args.emu, "w") as f:
-            f.write(emit_emu(common, entries, args.emu_shards))
+        write_whole(args.emu, emit_emu(common, entries, args.emu_shards))
     if args.check:
         try:
             with open(args.out) as f:
@@ -204,9 +212,7 @@ def main():
             return 1
         print(f"{args.out} is up to date ({len(entries)} kernels)")
         return 0
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text)
+    write_whole(args.out, text)
     print(f"wrote {args.out}: {len(entries)} kernels")
     return 0
 
