@@ -1656,18 +1656,16 @@ static const PathRun path_runs[] = {
     {"fused_varlen_K64_V256_two_column_blocks_f16", "3", "128"},   // pairs, varlen
     {"fused_B1_T45_K128_V128_l2norm_f16", "3", "128"},             // the row norms by mma
 };
-static const PathRun *path_run(const Cfg &cf) {
-    for (const PathRun &r : path_runs)
-        if (!strcmp(r.config, cf.name)) return &r;
-    return NULL;
-}
-// a renamed config must not drop out of the path runs unseen
-static void path_runs_name_configs() {
-    t_current = "fused";
+// each path run on its config, which must still exist (a renamed config must not drop out unseen)
+static void run_fused_paths() {
+    const std::vector<Cfg> cfs = fused_configs();
     for (const PathRun &r : path_runs) {
-        bool found = false;
-        for (const Cfg &cf : fused_configs()) found |= !strcmp(r.config, cf.name);
-        CHECK(found, "path run %s names a fused config", r.config);
+        const Cfg *cf = NULL;
+        for (const Cfg &c : cfs)
+            if (!strcmp(r.config, c.name)) cf = &c;
+        t_current = "fused";
+        CHECK(cf, "path run %s names a fused config", r.config);
+        if (cf) run_fused(*cf, r.segments, fused_gate(*cf), r.bv);
     }
 }
 
@@ -1692,16 +1690,13 @@ int main(int argc, char **argv) {
     if (want("fused")) {
         const bool every = !quick && !race, lean = paths || race; // lean: the sanitizers' runs
         run_fused_plan_model();
-        for (const Cfg &cf : fused_configs()) {
-            const FusedGate gate = fused_gate(cf);
-            if (lean) {
-                if (const PathRun *r = path_run(cf)) run_fused(cf, r->segments, gate, r->bv);
-                continue;
+        if (lean) run_fused_paths();
+        else
+            for (const Cfg &cf : fused_configs()) {
+                const FusedGate gate = fused_gate(cf);
+                run_fused(cf, "1", gate, "64"), run_fused(cf, "1", gate, "128");
+                if (gate != GATE_WIDE) run_fused(cf, "2", gate, "64"), run_fused(cf, "3", gate, "128"); // varlen: sequences of 1, 2 and 3 segments, an empty one
             }
-            run_fused(cf, "1", gate, "64"), run_fused(cf, "1", gate, "128");
-            if (gate != GATE_WIDE) run_fused(cf, "2", gate, "64"), run_fused(cf, "3", gate, "128"); // varlen: sequences of 1, 2 and 3 segments, an empty one
-        }
-        if (lean) path_runs_name_configs();
         if (!race) run_fused_keeps_nan();
         if (every) run_fused_exact_split_with_a_lead(); // (clusters of two 512-thread blocks, slow under the sanitizers)
         // the bounded split: 64 columns, fixed lengths (K = 100: fetched element by element) and varlen
