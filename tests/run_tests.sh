@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every CPU test and ends with one line "N passed, N failed".
-#   tests/run_tests.sh BUILD_DIR     (KDA_CASES: the reference cases; KDA_QUICK=1: no header builds,
-#                                     the fused forward's kernel paths once each)
+#   tests/run_tests.sh BUILD_DIR     (KDA_CASES: the reference cases; KDA_QUICK=1, the sanitizers' run:
+#                                     no header builds, kernel loading or compare_fla checks)
 set -u
 build=${1:-build}
 cases=${KDA_CASES:-../shared/cases}
@@ -27,9 +27,7 @@ fi
 # 2. Unit and property programs: each prints "N passed, N failed" last. test_gpu_stages
 #    runs every CUDA kernel on the CPU emulator against its CPU twin.
 for t in test_props test_stages test_errors test_gpu_stages; do
-    args=""
-    [ -n "${KDA_QUICK:-}" ] && [ "$t" = test_gpu_stages ] && args="--quick --paths"
-    out=$("$build/$t" $args 2>&1); rc=$?
+    out=$("$build/$t" 2>&1); rc=$?
     echo "$out" | grep -E '^FAIL' || true
     line=$(echo "$out" | tail -n 1)
     echo "$t: $line"

@@ -7,7 +7,7 @@
 //   build/test_gpu         the real CUDA backend on the machine's GPU (make test-gpu).
 // All device data goes through kda_malloc / kda_memcpy / kda_memset.
 //
-//   build/test_gpu_stages [--quick] [--paths] [--race] [stage ...]    (stages: prepare intra ... bwd_qkb ops)
+//   build/test_gpu_stages [--quick] [--race] [stage ...]    (stages: prepare intra ... bwd_qkb ops, fused, plan, emulator)
 //
 // For each problem and stage: the CPU runs the stages up to this one; the device
 // starts from a copy of the CPU's work buffer taken just before the stage, with
@@ -1640,11 +1640,102 @@ static void run_ops(const Cfg &cf) {
     kda_context_destroy(cpu);
 }
 
-// --paths and --race (CI's runs under the sanitizers): one run of each path the fused kernels'
+#ifdef KDA_TEST_EMU
+// ---- the emulator itself (tests/cuda_emu.h), which every kernel test here stands on
+struct EmuArgs { int *out; int rounds; };
+// each thread: a neighbour's value after __syncthreads, summed over its warp by shuffles; and
+// warps 2-3 take `rounds` hands of 64 values from warps 0-1 through named barriers 1 (full)
+// and 2 (empty), as the fused forward's factor and state warps hand over their buffers
+static void emu_k_exchange(const EmuArgs a) {
+    __shared__ int box[1024], hand[64];
+    const int t = (int)threadIdx.x, n = (int)blockDim.x, b = (int)blockIdx.x;
+    box[t] = t + 1000 * b;
+    __syncthreads();
+    int s = box[(t + 1) % n];
+    for (int m = 16; m; m /= 2) s += __shfl_xor_sync(~0u, s, m);
+    int got = 0;
+    for (int r = 0; r < a.rounds; r++)
+        if (t < 64) {
+            if (r) kda_emu_bar(2, 128, true);
+            hand[t] = 64 * r + t;
+            kda_emu_bar(1, 128, false);
+        } else if (t < 128) {
+            kda_emu_bar(1, 128, true);
+            got += hand[t - 64];
+            kda_emu_bar(2, 128, false);
+        }
+    if (t < 64) kda_emu_bar(2, 128, true); // the last hand taken: every barrier ends the block balanced
+    a.out[b * n + t] = s + got;
+}
+static void run_emu_barriers_and_shuffles_order_threads() {
+    t_current = "emulator";
+    const int n = 1024, blocks = 3, rounds = 50;
+    std::vector<int> out((size_t)(n * blocks), -1);
+    kda_emu_launch(emu_k_exchange, kda_emu_dim3{(unsigned)blocks, 1, 1}, (unsigned)n, EmuArgs{out.data(), rounds});
+    int bad = 0;
+    for (int b = 0; b < blocks; b++)
+        for (int t = 0; t < n; t++) {
+            long want = 0;
+            for (int l = 0; l < 32; l++) want += (t / 32 * 32 + l + 1) % n + 1000 * b;
+            if (t >= 64 && t < 128)
+                for (int r = 0; r < rounds; r++) want += 64 * r + t - 64;
+            bad += out[(size_t)(b * n + t)] != want;
+        }
+    CHECK(bad == 0, "%d of %d threads' values wrong", bad, n * blocks);
+}
+// make test-race's probe (--race-probe): warps 6-7 read what warps 2-3 wrote with only a
+// barrier of warps 0-3 between, which ThreadSanitizer must report (exit 66) for its clean runs
+// to mean anything: the fibers' switches must not order what the kernel leaves unordered
+static void emu_k_unordered(const EmuArgs a) {
+    __shared__ int box[64];
+    const int t = (int)threadIdx.x;
+    if (t >= 64 && t < 128) box[t - 64] = t;
+    if (t < 128) kda_emu_bar(1, 128, true);
+    if (t >= 192) a.out[t] = box[t - 192];
+}
+static int run_emu_race_probe() {
+    std::vector<int> out(256, 0);
+    kda_emu_launch(emu_k_unordered, kda_emu_dim3{1, 1, 1}, 256u, EmuArgs{out.data(), 0});
+    printf("race probe ran unreported\n");
+    return 0;
+}
+#if KDA_EMU_FIBERS && !defined(KDA_EMU_TSAN) // (ThreadSanitizer takes no fork of a process with threads: its fibers count)
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+static void emu_k_half_barrier(const EmuArgs) {
+    if (threadIdx.x < 32) kda_emu_bar(3, 64, true); // (32 of the 64 threads it counts ever come)
+}
+// a barrier some threads never reach hangs a GPU; the emulator's fibers say so and abort
+static void run_emu_reports_a_deadlock() {
+    t_current = "emulator";
+    int fd[2];
+    CHECK(pipe(fd) == 0, "pipe");
+    fflush(stdout);
+    const pid_t pid = fork();
+    if (pid == 0) {
+        dup2(fd[1], 2);
+        kda_emu_launch(emu_k_half_barrier, kda_emu_dim3{1, 1, 1}, 128u, EmuArgs{nullptr, 0});
+        _exit(0);
+    }
+    close(fd[1]);
+    char msg[512] = "";
+    size_t got = 0;
+    for (ssize_t r; got + 1 < sizeof msg && (r = read(fd[0], msg + got, sizeof msg - 1 - got)) > 0;) got += (size_t)r;
+    close(fd[0]);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    CHECK(WIFSIGNALED(st) && WTERMSIG(st) == SIGABRT, "the launch ended with status %d, not an abort", st);
+    CHECK(strstr(msg, "deadlock: 128 threads wait"), "the report: %s", msg);
+}
+#endif
+#endif
+
+// --race (make test-race's run under ThreadSanitizer): one run of each path the fused kernels'
 // warps take through memory and their shared buffers (key tile, value columns, pairs,
 // varlen, element-wise fetch, the factor fallbacks), not every case of values, which make
-// test runs: every case under ThreadSanitizer took 14 of CI's minutes. A split, which runs
-// segment 0 with output too.
+// test runs (and make test-sanitize, under AddressSanitizer): every case under ThreadSanitizer
+// took 14 of CI's minutes. A split, which runs segment 0 with output too.
 struct PathRun { const char *config, *segments, *bv; };
 static const PathRun path_runs[] = {
     {"fused_varlen_K128_V64_lowerbound_negeig_vk_f16", "3", "128"}, // 128-key tile, varlen
@@ -1670,16 +1761,26 @@ static void run_fused_paths() {
 }
 
 int main(int argc, char **argv) {
-    // race: make test-race's run (ThreadSanitizer makes each barrier slow); paths: the fused
-    // forward's kernel paths once each (path_runs), as the sanitizers' runs take it
-    bool quick = false, race = false, paths = false;
+    // race: make test-race's run (ThreadSanitizer makes each barrier slow): the fused forward's
+    // kernel paths once each (path_runs)
+    bool quick = false, race = false;
     for (int i = 1; i < argc; i++) {
+#ifdef KDA_TEST_EMU
+        if (!strcmp(argv[i], "--race-probe")) return run_emu_race_probe();
+#endif
         if (!strcmp(argv[i], "--quick")) quick = true;
         else if (!strcmp(argv[i], "--race")) race = true;
-        else if (!strcmp(argv[i], "--paths")) paths = true;
         else g_only.push_back(argv[i]);
     }
     g_dev = dev_ctx();
+#ifdef KDA_TEST_EMU
+    if (want("emulator")) {
+        run_emu_barriers_and_shuffles_order_threads();
+#if KDA_EMU_FIBERS && !defined(KDA_EMU_TSAN)
+        run_emu_reports_a_deadlock();
+#endif
+    }
+#endif
     if (want("selftest_mma")) run_mma();
     for (const Cfg &cf : configs(quick)) {
         printf("problem %s\n", cf.name);
@@ -1688,7 +1789,7 @@ int main(int argc, char **argv) {
         if (want("ops")) run_ops(cf);
     }
     if (want("fused")) {
-        const bool every = !quick && !race, lean = paths || race; // lean: the sanitizers' runs
+        const bool every = !quick && !race, lean = race;
         run_fused_plan_model();
         if (lean) run_fused_paths();
         else
