@@ -1789,9 +1789,9 @@ int main(int argc, char **argv) {
         if (want("ops")) run_ops(cf);
     }
     if (want("fused")) {
-        const bool every = !quick && !race, lean = race;
+        const bool every = !quick && !race;
         run_fused_plan_model();
-        if (lean) run_fused_paths();
+        if (race) run_fused_paths();
         else
             for (const Cfg &cf : fused_configs()) {
                 const FusedGate gate = fused_gate(cf);
@@ -1809,7 +1809,7 @@ int main(int argc, char **argv) {
         run_fused_bounded_split(100, LATE_NONE, false, "128");
         // two 128-column blocks (on Hopper a pair: each block flags the chunks its own groups built)
         run_fused_bounded_split(64, LATE_GATE, true, "128", 144);
-        if (!lean) {
+        if (!race) {
             run_fused_bounded_split(64, LATE_NONE, false);
             run_fused_bounded_split(64, LATE_GATE, false);
             run_fused_bounded_split(64, LATE_GATE, true, "128");
@@ -1822,7 +1822,7 @@ int main(int argc, char **argv) {
         if (!race) run_fused_replans_for_new_lengths();
         // (clusters of two 512-thread blocks, slow under the sanitizers: make test runs it)
         if (every) run_fused_failed_bounds_redone_in_the_exact_tile();
-        if (!lean) run_fused_bound_flags_match_the_warmup_sums(); // (values: the bounded splits above run both kernels)
+        if (!race) run_fused_bound_flags_match_the_warmup_sums(); // (values: the bounded splits above run both kernels)
         if (!race) { // (plans and declines, not races)
             run_fused_declines_without_shared_memory(fused_configs()[0]);
             run_fused_takes_the_tile_that_fits(fused_configs()[1]); // K = 128
