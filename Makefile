@@ -92,9 +92,9 @@ deps:
 	@$(PYTHON) -c "import numpy" 2>/dev/null || $(PYTHON) -m pip install -q numpy
 
 # The same programs under AddressSanitizer and UndefinedBehaviorSanitizer, every emulator test
-# included (82 s here). Build time is most of it: -g1 gives the line
-# tables the reports need; UBSan's object-size (AddressSanitizer's job here), pointer-overflow
-# and vptr checks (no classes) made the emulator's kernels build 40% slower.
+# included (82 s here). Build time is most of it: -g1 gives the line tables the reports need;
+# UBSan's object-size (AddressSanitizer's job here), pointer-overflow and vptr checks (no
+# classes) made the emulator's kernels build 40% slower.
 SAN_FLAGS = -g1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize=object-size,pointer-overflow,vptr \
             -fno-sanitize-recover=all
 test-sanitize:

@@ -5,8 +5,9 @@
 // fiber on one OS thread, switched where it waits at a barrier (the default), or a std::thread
 // (-DKDA_EMU_FIBERS=0). Under ThreadSanitizer the fibers' switches order nothing, so that it
 // reports an access that no barrier orders against another thread's as it does with threads
-// (its checks follow the order barriers and atomics make, not which thread ran when). A block barrier is __syncthreads, a per-warp barrier with an exchange
-// buffer makes the warp shuffles, and __shared__ is `static`: correct because blocks never run
+// (its checks follow the order barriers and atomics make, not which thread ran when). A block
+// barrier is __syncthreads, a per-warp barrier (__syncwarp) with an exchange buffer makes the
+// warp shuffles, and __shared__ is `static`: correct because blocks never run
 // concurrently (the fused forward's dynamic shared memory, KDA_SMEM, is each block's own). A
 // kernel that deadlocks here (a __syncthreads some threads skip) is wrong on the GPU too; with
 // fibers the emulator says so and aborts. Timing means nothing here; only results do.
@@ -374,7 +375,7 @@ template <class T> inline T kda_emu_shfl(T v, int src_of_lane(int lane, int arg)
     std::vector<uint64_t> &x = kda_emu_self->state->xchg[kda_emu_self->wops++ & 1];
     memcpy(&slot, &v, sizeof(T));
     x[tid] = slot;
-    kda_emu_self->state->warp[warp]->arrive_and_wait();
+    __syncwarp();
     const int src = src_of_lane(lane, arg);
     slot = x[warp * 32 + (src & 31)];
     T r;
@@ -409,7 +410,7 @@ inline void kda_emu_mma16816(float d[4], const uint32_t a[4], const uint32_t b[2
     for (int i = 0; i < 4; i++) mine[i] = a[i];
     mine[4] = b[0]; mine[5] = b[1];
     for (int i = 0; i < 4; i++) memcpy(&mine[6 + i], &c[i], 4);
-    kda_emu_self->state->warp[warp]->arrive_and_wait();
+    __syncwarp();
     const uint32_t *w = &m[(size_t)warp * 32 * 10];
     auto A = [&](int row, int k) { return kda_emu_half(w[((row % 8) * 4 + (k % 8) / 2) * 10 + (row >= 8) + 2 * (k >= 8)], k & 1, bf16); };
     auto B = [&](int k, int col) { return kda_emu_half(w[(col * 4 + (k % 8) / 2) * 10 + 4 + (k >= 8)], k & 1, bf16); };
@@ -456,7 +457,7 @@ inline void kda_emu_ldmatrix(uint32_t r[4], const void *row, bool trans) {
     kda_emu_check_align16(row, nullptr);
     std::vector<uint64_t> &x = kda_emu_self->state->xchg[kda_emu_self->wops++ & 1];
     x[tid] = (uint64_t)(uintptr_t)row;
-    kda_emu_self->state->warp[warp]->arrive_and_wait();
+    __syncwarp();
     auto at = [&](int m, int rr, int c) { // element (row rr, column c) of matrix m
         const uint16_t *p = (const uint16_t *)(uintptr_t)x[warp * 32 + 8 * m + rr];
         return (uint32_t)p[c];
@@ -466,7 +467,7 @@ inline void kda_emu_ldmatrix(uint32_t r[4], const void *row, bool trans) {
         const int a = lane / 4, b = 2 * (lane % 4);
         out[m] = trans ? (at(m, b, a) | at(m, b + 1, a) << 16) : (at(m, a, b) | at(m, a, b + 1) << 16);
     }
-    kda_emu_self->state->warp[warp]->arrive_and_wait(); // (its reads of shared memory end before any lane goes on, as on a GPU)
+    __syncwarp(); // (its reads of shared memory end before any lane goes on, as on a GPU)
     for (int m = 0; m < 4; m++) r[m] = out[m];
 }
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
