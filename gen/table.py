@@ -48,15 +48,15 @@ STAGES = {
     # the fused forward (16-token chunks, tensor cores; f16/bf16, K <= bk): the default
     # forward when no intermediates are asked for; fwd_combine joins split sequences
     # (bv/16 state warps + 2 (bv 128) or 3 (bv 64) groups of 4 factor warps, a factor buffer
-    # each; dynamic shared memory: bk 128 bv 64 takes 226 KB, which an A100 cannot give)
+    # each; dynamic shared memory: bk 128 bv 64 takes 227 KB, Hopper's most, which an A100 cannot give)
     # (varlen: pieces from kda.h's piece table, launched longest first; fixed lengths: from the
     # block index, so that what the blocks compute from it stays uniform)
     "fwd_fused":   dict(axes={"dtype": ["f16", "bf16"], "bk": [64, 128], "bv": [64, 128], "varlen": [0, 1]}, grid="fused",
-                        threads="2*bv+256+128*(bv==64)", smem="1024*(34+bk) if bv == 128 else 1024*(bk*3//2+34)"),
+                        threads="2*bv+256+128*(bv==64)", smem="1024*(34+bk) if bv == 128 else 1024*(bk*3//2+35)"),
     # its bounded split (every segment in one pass, warmed up; kda.h's kda__fused_warmup), after
     # fwd_bound's check of each piece's warm-up
     "fwd_fused_bounded": dict(axes={"dtype": ["f16", "bf16"], "bk": [64, 128], "bv": [64, 128], "varlen": [0, 1]}, grid="fused",
-                        threads="2*bv+256+128*(bv==64)", smem="1024*(34+bk) if bv == 128 else 1024*(bk*3//2+34)"),
+                        threads="2*bv+256+128*(bv==64)", smem="1024*(34+bk) if bv == 128 else 1024*(bk*3//2+35)"),
     "fwd_bound":   dict(axes={}, grid="fused", threads=512),
     "fwd_combine": dict(axes={}, grid="fused", threads=512),
     # backward

@@ -274,18 +274,22 @@ struct kda_emu_cluster {
     std::map<void *, std::vector<kda_emu_bulk>> pending;
 };
 inline kda_emu_cluster *kda_emu_cl;
+// block rank's dynamic shared memory, 1024-byte aligned as on the GPU (the kernels' tiles ask
+// for 128; the vector holds 1024 bytes more)
+inline unsigned char *kda_emu_smem_of(unsigned rank) {
+    return (unsigned char *)(((uintptr_t)kda_emu_cl->smem[rank].data() + 1023) & ~(uintptr_t)1023);
+}
 inline void *kda_emu_smem(size_t bytes) {
-    std::vector<unsigned char> &m = kda_emu_cl->smem[kda_emu_self->rank];
-    if (m.size() < bytes) {
-        fprintf(stderr, "cuda_emu: %zu bytes of dynamic shared memory, the launch gave %zu\n", bytes, m.size());
+    const size_t have = kda_emu_cl->smem[kda_emu_self->rank].size() - 1024;
+    if (have < bytes) {
+        fprintf(stderr, "cuda_emu: %zu bytes of dynamic shared memory, the launch gave %zu\n", bytes, have);
         abort();
     }
-    return m.data();
+    return kda_emu_smem_of(kda_emu_self->rank);
 }
 inline unsigned kda_emu_cl_rank() { return kda_emu_self->rank; }
 inline void *kda_emu_cl_map(const void *p, unsigned rank) {
-    const unsigned char *mine = kda_emu_cl->smem[kda_emu_self->rank].data();
-    return kda_emu_cl->smem[rank].data() + ((const unsigned char *)p - mine);
+    return kda_emu_smem_of(rank) + ((const unsigned char *)p - kda_emu_smem_of(kda_emu_self->rank));
 }
 inline void kda_emu_cl_sync() { kda_emu_cl->all->arrive_and_wait(); }
 inline uint64_t kda_emu_mb_word(uint64_t phase, uint64_t expect, uint64_t left, int32_t tx) {
@@ -614,7 +618,7 @@ inline void kda_emu_launch(void (*kernel)(const P), kda_emu_dim3 grid, unsigned 
     }
     kda_emu_cluster cl;
     cl.all = std::make_unique<kda_emu_barrier>((int)(threads * cluster));
-    cl.smem.assign(cluster, std::vector<unsigned char>(smem));
+    cl.smem.assign(cluster, std::vector<unsigned char>(smem + 1024));
     kda_emu_cl = &cl;
     blockDim.x = threads; blockDim.y = blockDim.z = 1;
     gridDim = grid;
