@@ -274,13 +274,15 @@ struct kda_emu_cluster {
     std::map<void *, std::vector<kda_emu_bulk>> pending;
 };
 inline kda_emu_cluster *kda_emu_cl;
-// block rank's dynamic shared memory, 1024-byte aligned as on the GPU (the kernels' tiles ask
-// for 128; the vector holds 1024 bytes more)
+// block rank's dynamic shared memory, aligned as on the GPU (the kernels' tiles ask for 128
+// bytes; each block's vector holds KDA_EMU_SMEM_ALIGN bytes more)
+constexpr size_t KDA_EMU_SMEM_ALIGN = 1024;
 inline unsigned char *kda_emu_smem_of(unsigned rank) {
-    return (unsigned char *)(((uintptr_t)kda_emu_cl->smem[rank].data() + 1023) & ~(uintptr_t)1023);
+    const uintptr_t a = (uintptr_t)kda_emu_cl->smem[rank].data();
+    return (unsigned char *)((a + KDA_EMU_SMEM_ALIGN - 1) & ~(uintptr_t)(KDA_EMU_SMEM_ALIGN - 1));
 }
 inline void *kda_emu_smem(size_t bytes) {
-    const size_t have = kda_emu_cl->smem[kda_emu_self->rank].size() - 1024;
+    const size_t have = kda_emu_cl->smem[kda_emu_self->rank].size() - KDA_EMU_SMEM_ALIGN;
     if (have < bytes) {
         fprintf(stderr, "cuda_emu: %zu bytes of dynamic shared memory, the launch gave %zu\n", bytes, have);
         abort();
@@ -618,7 +620,7 @@ inline void kda_emu_launch(void (*kernel)(const P), kda_emu_dim3 grid, unsigned 
     }
     kda_emu_cluster cl;
     cl.all = std::make_unique<kda_emu_barrier>((int)(threads * cluster));
-    cl.smem.assign(cluster, std::vector<unsigned char>(smem + 1024));
+    cl.smem.assign(cluster, std::vector<unsigned char>(smem + KDA_EMU_SMEM_ALIGN));
     kda_emu_cl = &cl;
     blockDim.x = threads; blockDim.y = blockDim.z = 1;
     gridDim = grid;
