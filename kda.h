@@ -504,6 +504,7 @@ struct kda_context {
     void *stream;
     void *fz_memo; /* the fused forward's last plan (kda__fused_memo), NULL: none */
     unsigned fz_calls; /* the bounded split's calls so far: the tag of the next (kda_fz_idle) */
+    int ptxas_info; /* NVRTC compiles with ptxas -v and log its lines (kda-aot --ptxas-check); not in the cache key */
     char err[KDA__ERRLEN];
 };
 
@@ -2509,7 +2510,7 @@ static kda_status kda__nvrtc_compile(kda_context *ctx, const kda__nvrtc *nv, con
                                      unsigned char **out, size_t *out_n) {
 #ifdef KDA__HAVE_KERNELS
     kda__nvrtcProgram prog = NULL;
-    const char *opts[8], *hdr_src[1], *hdr_name[1];
+    const char *opts[9], *hdr_src[1], *hdr_name[1];
     char buf[3][32];
     int n = kda__nvrtc_options(arch, spec, opts, buf), r, i;
     size_t sz = 0;
@@ -2520,6 +2521,7 @@ static kda_status kda__nvrtc_compile(kda_context *ctx, const kda__nvrtc *nv, con
     *out = NULL;
     if ((r = nv->create(&prog, k->src, k->name, 1, hdr_src, hdr_name)) != 0)
         return kda__fail(ctx, KDA_ERROR_COMPILE, "nvrtcCreateProgram(%s): %s", k->name, nv->error_string(r));
+    if (ctx->ptxas_info) opts[n++] = "--ptxas-options=-v"; /* (the same code: the key leaves it out) */
     r = nv->compile(prog, n, opts);
     if (r != 0) {
         size_t ls = 0, used;
@@ -2536,6 +2538,21 @@ static kda_status kda__nvrtc_compile(kda_context *ctx, const kda__nvrtc *nv, con
         free(log);
         nv->destroy(&prog);
         return KDA_ERROR_COMPILE;
+    }
+    if (ctx->ptxas_info) { /* ptxas's report, a line at a time: registers, stack frame, spill code, serialised wgmma */
+        size_t ls = 0;
+        char *log, *line, *end;
+        nv->log_size(prog, &ls);
+        if ((log = (char *)malloc(ls + 1)) != NULL) {
+            log[0] = 0;
+            nv->log(prog, log);
+            log[ls] = 0;
+            for (line = log; *line; line = end + (*end != 0)) {
+                if ((end = strchr(line, '\n')) == NULL) end = line + strlen(line);
+                if (end > line) kda__log(ctx, "%s %s: %.*s", k->name, arch, (int)(end - line), line);
+            }
+            free(log);
+        }
     }
     nv->cubin_size(prog, &sz);
     bin = (char *)malloc(sz ? sz : 1);

@@ -12,8 +12,13 @@
  * --spec adds, for each fused forward kernel, its specialisation for a problem with that
  * gate form and g dtype (kda_gate, kda_dtype numbers; kda_compile_kernel_gate), which
  * kda.h then takes from DIR or FILE instead of the generic kernel; g dtypes that a kernel
- * never sees (f16 g for a bf16 kernel) are left out. Exit status 0 only when every kernel
- * compiled. */
+ * never sees (f16 g for a bf16 kernel) are left out.
+ * --ptxas-check prints what ptxas reports beyond registers: each kernel's spill code and any
+ * wgmma it serialises. --ptxas-baseline FILE (make nvrtc-check: gen/ptxas_baseline.txt) also
+ * fails a kernel whose spill code grew past FILE's line for it (none: no spill code) or that
+ * serialises wgmma, where FILE was written by this NVRTC version (with another, it only
+ * reports); --ptxas-write FILE writes the baseline (make ptxas-baseline). Exit status 0 only
+ * when every kernel compiled and passed those checks. */
 #include <sys/stat.h>
 #define KDA_IMPLEMENTATION
 #include "../kda.h"
@@ -31,22 +36,47 @@ typedef struct {
     char file[256];
     kda_status status;
     char *error;
+    char *report; /* --ptxas-check: ptxas's lines on spill code and serialised wgmma */
+    int spill_st, spill_ld, serial; /* from them: spill bytes stored and loaded, wgmma serialised */
 } job;
 
 static job *jobs;
-static int njobs, next_job;
+static int njobs, next_job, ptxas_check;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* --ptxas-check: keeps ptxas's lines that say what a kernel costs beyond its registers, the
+ * spill code and the wgmma it serialises (which cost the fused forward 10% and 17%:
+ * bench/RESULTS.md, 2026-11-26), on the job being compiled (user: the worker's job pointer) */
+static void ptxas_line(void *user, const char *line) {
+    job *j = *(job **)user;
+    const char *sp = strstr(line, "bytes spill stores");
+    size_t n, m;
+    char *r;
+    if (!j || !(strstr(line, "Performance Loss") || (sp && !(strstr(line, " 0 bytes spill stores, 0 bytes spill loads")))))
+        return;
+    n = j->report ? strlen(j->report) : 0, m = strlen(line);
+    if ((r = (char *)realloc(j->report, n + m + 2)) == NULL) return;
+    memcpy(r + n, line, m);
+    r[n + m] = '\n', r[n + m + 1] = 0;
+    j->report = r;
+}
 
 static void *worker(void *arg) {
     kda_context *ctx = NULL;
+    job *cur = NULL;
+    kda_context_options o;
     (void)arg;
-    if (kda_context_create(&ctx, KDA_BACKEND_CPU, NULL) != KDA_OK) return NULL;
+    memset(&o, 0, sizeof o);
+    o.log = ptxas_check ? ptxas_line : NULL, o.user = &cur;
+    if (kda_context_create(&ctx, KDA_BACKEND_CPU, &o) != KDA_OK) return NULL;
+    ctx->ptxas_info = ptxas_check;
     for (;;) {
         job *j;
         pthread_mutex_lock(&lock);
         j = next_job < njobs ? &jobs[next_job++] : NULL;
         pthread_mutex_unlock(&lock);
         if (!j) break;
+        cur = j;
         j->status = j->gate < 0 ? kda_compile_kernel(ctx, j->kernel, j->arch, &j->cubin, &j->size, j->file, sizeof j->file)
                                 : kda_compile_kernel_gate(ctx, j->kernel, (kda_gate)j->gate, (kda_dtype)j->g_dtype, j->arch,
                                                           &j->cubin, &j->size, j->file, sizeof j->file);
@@ -87,8 +117,70 @@ static int write_embed(const char *path) {
     return fclose(f) == 0 ? 0 : -1;
 }
 
+/* the job's spill bytes and serialised wgmma, from its ptxas lines */
+static void ptxas_parse(job *j) {
+    const char *r = j->report, *at;
+    int st, ld;
+    for (at = r; at && (at = strstr(at, "bytes stack frame, ")) != NULL; at++)
+        if (sscanf(at, "bytes stack frame, %d bytes spill stores, %d bytes spill loads", &st, &ld) == 2)
+            j->spill_st += st, j->spill_ld += ld;
+    j->serial = r && strstr(r, "Performance Loss") != NULL;
+}
+
+/* The baseline's "nvrtc MAJOR.MINOR" line and one line a kernel with spill code:
+ * "NAME ARCH GATE G_DTYPE STORED LOADED". Checks every job against it; returns the failures,
+ * or 0 with a note where the file is another NVRTC version's (compilers spill differently) */
+static int ptxas_baseline(const char *path, int major, int minor) {
+    FILE *f = fopen(path, "r");
+    char line[512], name[256], arch[32];
+    int bmaj = -1, bmin = -1, gate, gd, st, ld, i, bad = 0, better = 0;
+    if (!f) { printf("FAILED: cannot read the ptxas baseline %s\n", path); return 1; }
+    while (fgets(line, sizeof line, f)) {
+        if (sscanf(line, "nvrtc %d.%d", &bmaj, &bmin) == 2) continue;
+        if (line[0] == '#' || sscanf(line, "%255s %31s %d %d %d %d", name, arch, &gate, &gd, &st, &ld) != 6) continue;
+        for (i = 0; i < njobs; i++)
+            if (!strcmp(kda_kernel_name(jobs[i].kernel), name) && !strcmp(jobs[i].arch, arch) && jobs[i].gate == gate &&
+                jobs[i].g_dtype == gd)
+                jobs[i].spill_st -= st, jobs[i].spill_ld -= ld; /* now the growth past the baseline */
+    }
+    fclose(f);
+    if (bmaj != major || bmin != minor) {
+        for (i = 0; i < njobs; i++)
+            if (jobs[i].report)
+                printf("PTXAS %s %s (gate %d, g %d):\n%s", kda_kernel_name(jobs[i].kernel), jobs[i].arch, jobs[i].gate,
+                       jobs[i].g_dtype, jobs[i].report);
+        printf("ptxas baseline %s is NVRTC %d.%d's, this is %d.%d: spill code reported above, not checked\n", path, bmaj, bmin,
+               major, minor);
+        return 0;
+    }
+    for (i = 0; i < njobs; i++) {
+        const job *j = &jobs[i];
+        if (j->spill_st > 0 || j->spill_ld > 0 || j->serial) {
+            printf("FAILED %s %s (gate %d, g %d): %s; ptxas:\n%s", kda_kernel_name(j->kernel), j->arch, j->gate, j->g_dtype,
+                   j->serial ? "ptxas serialises its wgmma" : "more spill code than the ptxas baseline", j->report ? j->report : "");
+            bad++;
+        }
+        better += j->spill_st < 0 || j->spill_ld < 0;
+    }
+    if (better) printf("%d kernel(s) spill less than %s says: make ptxas-baseline records that\n", better, path);
+    return bad;
+}
+
+static int ptxas_write(const char *path, int major, int minor) {
+    FILE *f = fopen(path, "w");
+    int i;
+    if (!f) { fprintf(stderr, "kda-aot: cannot write %s\n", path); return 1; }
+    fprintf(f, "# kda-aot --ptxas-check baseline (make ptxas-baseline): every kernel with spill code,\n"
+               "# name arch gate g_dtype bytes-stored bytes-loaded (gate -1: the generic kernel)\nnvrtc %d.%d\n", major, minor);
+    for (i = 0; i < njobs; i++)
+        if (jobs[i].status == KDA_OK && (jobs[i].spill_st || jobs[i].spill_ld))
+            fprintf(f, "%s %s %d %d %d %d\n", kda_kernel_name(jobs[i].kernel), jobs[i].arch, jobs[i].gate, jobs[i].g_dtype,
+                    jobs[i].spill_st, jobs[i].spill_ld);
+    return fclose(f) == 0 ? 0 : 1;
+}
+
 int main(int argc, char **argv) {
-    const char *archs = "sm_80 sm_90a", *out = NULL, *embed = NULL;
+    const char *archs = "sm_80 sm_90a", *out = NULL, *embed = NULL, *baseline = NULL, *write = NULL;
     const char *only[256];
     char arch_list[256], arch_buf[8][32], *a, *save = NULL, *arch_v[8];
     int nonly = 0, narch = 0, nthreads = 0, i, k, failed = 0, nspec = 0, spec[9][2], x;
@@ -99,13 +191,16 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--out") && i + 1 < argc) out = argv[++i];
         else if (!strcmp(argv[i], "--embed") && i + 1 < argc) embed = argv[++i];
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) nthreads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--ptxas-check")) ptxas_check = 1;
+        else if (!strcmp(argv[i], "--ptxas-baseline") && i + 1 < argc) baseline = argv[++i], ptxas_check = 1;
+        else if (!strcmp(argv[i], "--ptxas-write") && i + 1 < argc) write = argv[++i], ptxas_check = 1;
         else if (!strcmp(argv[i], "--spec") && i + 1 < argc && nspec < 9 &&
                  sscanf(argv[i + 1], "%d,%d", &spec[nspec][0], &spec[nspec][1]) == 2 && spec[nspec][0] >= 0 &&
                  spec[nspec][0] <= 2 && spec[nspec][1] >= 0 && spec[nspec][1] <= 2)
             nspec++, i++;
         else {
             fprintf(stderr, "usage: kda-aot [--arch \"sm_80 sm_90a\"] [--only NAME]... [--spec GATE,G_DTYPE]... [--out DIR] "
-                            "[--embed FILE] [--threads N]\n");
+                            "[--embed FILE] [--threads N] [--ptxas-check] [--ptxas-baseline FILE] [--ptxas-write FILE]\n");
             return 2;
         }
     }
@@ -135,6 +230,19 @@ int main(int argc, char **argv) {
     if (nthreads > 64) nthreads = 64;
     for (i = 0; i < nthreads; i++) pthread_create(&tid[i], NULL, worker, NULL);
     for (i = 0; i < nthreads; i++) pthread_join(tid[i], NULL);
+    for (i = 0; i < njobs; i++) {
+        ptxas_parse(&jobs[i]);
+        if (jobs[i].report && !baseline) /* (against a baseline: the failures' alone) */
+            printf("PTXAS %s %s (gate %d, g %d):\n%s", kda_kernel_name(jobs[i].kernel), jobs[i].arch, jobs[i].gate, jobs[i].g_dtype,
+                   jobs[i].report);
+    }
+    if (baseline || write) {
+        kda__nvrtc nv;
+        char tried[512];
+        if (kda__nvrtc_load(&nv, tried, sizeof tried) != 0) { printf("FAILED: no NVRTC (%s)\n", tried); return 1; }
+        if (write && ptxas_write(write, nv.major, nv.minor)) failed++;
+        if (baseline) failed += ptxas_baseline(baseline, nv.major, nv.minor);
+    }
     for (i = 0; i < njobs; i++)
         if (jobs[i].status != KDA_OK) {
             failed++;
@@ -163,7 +271,7 @@ int main(int argc, char **argv) {
     printf("compiled %d kernels%s for", njobs / narch, nspec ? " (specialisations included)" : "");
     for (i = 0; i < narch; i++) printf(" %s", arch_v[i]);
     printf(", %d failed\n", failed);
-    for (i = 0; i < njobs; i++) { free(jobs[i].cubin); free(jobs[i].error); }
+    for (i = 0; i < njobs; i++) { free(jobs[i].cubin); free(jobs[i].error); free(jobs[i].report); }
     free(jobs);
     return failed ? 1 : 0;
 }

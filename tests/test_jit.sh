@@ -100,6 +100,29 @@ check "embedded cubin loads with no NVRTC and no files" '[ "$(KDA_NVRTC_PATH=$tm
 check "an embedded specialisation too, beside its generic kernel" \
     '[ "$(KDA_NVRTC_PATH=$tmp/no $tmp/jit_emb get $F sm_90a 1 0 | head -n 2 | xargs)" = "embedded specialised" ] && [ "$(KDA_NVRTC_PATH=$tmp/no $tmp/jit_emb get $F sm_90a | head -n 2 | xargs)" = "embedded generic" ]'
 
+# ptxas's report (make nvrtc-check): its option leaves the key and the code as they were; a baseline that
+# kda-aot wrote holds; spill code past a kernel's line fails (a line below any real count: -8
+# bytes), unless the baseline is another NVRTC version's, which only reports
+"$build/kda-aot" --arch sm_90a --only $K --out "$tmp/pv0" > /dev/null
+"$build/kda-aot" --arch sm_90a --only $K --out "$tmp/pv" --ptxas-write "$tmp/pb.txt" > /dev/null
+# the code sections of a cubin past kda's header (ptxas's note of its options differs)
+text_of() { python3 -c '
+import struct, sys
+d = open(sys.argv[1], "rb").read(); d = d[d.find(b"\x7fELF"):]
+off, = struct.unpack_from("<Q", d, 0x28); es, n, si = struct.unpack_from("<HHH", d, 0x3A)
+sh = [struct.unpack_from("<IIQQQQ", d, off + i * es) for i in range(n)]
+nm = lambda o: d[sh[si][4] + o:d.index(b"\0", sh[si][4] + o)]
+sys.stdout.write("".join(nm(s[0]).decode() + d[s[4]:s[4] + s[5]].hex() + "\n" for s in sh if nm(s[0]).startswith(b".text")))' "$1"; }
+check "--ptxas-check: the same key and code as without it" \
+    '[ -n "$(file_of "$tmp/pv" $K)" ] && [ "$(basename "$(file_of "$tmp/pv0" $K)")" = "$(basename "$(file_of "$tmp/pv" $K)")" ] && [ -n "$(text_of "$(file_of "$tmp/pv" $K)")" ] && [ "$(text_of "$(file_of "$tmp/pv0" $K)")" = "$(text_of "$(file_of "$tmp/pv" $K)")" ]'
+check "a baseline that kda-aot wrote holds" '"$build/kda-aot" --arch sm_90a --only $K --ptxas-baseline "$tmp/pb.txt" > /dev/null'
+{ grep '^nvrtc ' "$tmp/pb.txt"; echo "$K sm_90a -1 -1 -8 -8"; } > "$tmp/pb_low.txt"
+"$build/kda-aot" --arch sm_90a --only $K --ptxas-baseline "$tmp/pb_low.txt" > "$tmp/pb_low.out"; rc=$?
+check "spill code past the baseline fails" '[ $rc = 1 ] && grep -q "^FAILED $K sm_90a .*more spill code" "$tmp/pb_low.out"'
+sed 's/^nvrtc .*/nvrtc 0.0/' "$tmp/pb_low.txt" > "$tmp/pb_other.txt"
+check "another NVRTC's baseline only reports" \
+    '"$build/kda-aot" --arch sm_90a --only $K --ptxas-baseline "$tmp/pb_other.txt" | grep -q "is NVRTC 0.0.s, this is .*not checked"'
+
 # the generator: the committed output is a fresh render; a custom variant renders and compiles
 check "kernels_generated/ equals a fresh render of templates/" 'python3 gen/kda_gen.py --check > /dev/null'
 python3 gen/kda_gen.py --custom "state bt=64 bk=96 bv=32" --out "$tmp/custom.h" > /dev/null
