@@ -504,7 +504,7 @@ struct kda_context {
     void *stream;
     void *fz_memo; /* the fused forward's last plan (kda__fused_memo), NULL: none */
     unsigned fz_calls; /* the bounded split's calls so far: the tag of the next (kda_fz_idle) */
-    int ptxas_info; /* NVRTC compiles with ptxas -v and log its lines (kda-aot --ptxas-check); not in the cache key */
+    int ptxas_info; /* NVRTC compiles pass ptxas -v and log its lines (kda-aot --ptxas-check); not in the cache key */
     char err[KDA__ERRLEN];
 };
 
