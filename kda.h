@@ -2503,6 +2503,17 @@ static void kda__kernel_key(const kda__kdesc *k, int spec, const char *arch, int
     kda__sha_end(&s, key);
 }
 
+#ifdef KDA__HAVE_KERNELS
+/* NVRTC's log of prog, NUL-terminated (malloc'd; NULL where memory ran out) */
+static char *kda__nvrtc_log(const kda__nvrtc *nv, kda__nvrtcProgram prog) {
+    size_t ls = 0;
+    char *log;
+    nv->log_size(prog, &ls);
+    if ((log = (char *)malloc(ls + 1)) != NULL) { log[0] = 0; nv->log(prog, log); log[ls] = 0; }
+    return log;
+}
+#endif
+
 /* Compiles kernel k (specialisation spec) for arch; on success *out is the wrapped cubin
  * (header + payload, key = the full cache key). On a compile error the message has the full
  * log and the options. */
@@ -2524,12 +2535,8 @@ static kda_status kda__nvrtc_compile(kda_context *ctx, const kda__nvrtc *nv, con
     if (ctx->ptxas_info) opts[n++] = "--ptxas-options=-v"; /* (the same code: the key leaves it out) */
     r = nv->compile(prog, n, opts);
     if (r != 0) {
-        size_t ls = 0, used;
-        char *log;
-        nv->log_size(prog, &ls);
-        log = (char *)malloc(ls + 1);
-        if (log) { log[0] = 0; nv->log(prog, log); log[ls] = 0; }
-        used = (size_t)snprintf(ctx->err, sizeof ctx->err, "nvrtcCompileProgram(%s) failed: %s; options:", k->name,
+        char *log = kda__nvrtc_log(nv, prog);
+        size_t used = (size_t)snprintf(ctx->err, sizeof ctx->err, "nvrtcCompileProgram(%s) failed: %s; options:", k->name,
                                 nv->error_string(r));
         for (i = 0; i < n && used < sizeof ctx->err; i++)
             used += (size_t)snprintf(ctx->err + used, sizeof ctx->err - used, " %s", opts[i]);
@@ -2540,19 +2547,12 @@ static kda_status kda__nvrtc_compile(kda_context *ctx, const kda__nvrtc *nv, con
         return KDA_ERROR_COMPILE;
     }
     if (ctx->ptxas_info) { /* ptxas's report, a line at a time: registers, stack frame, spill code, serialised wgmma */
-        size_t ls = 0;
-        char *log, *line, *end;
-        nv->log_size(prog, &ls);
-        if ((log = (char *)malloc(ls + 1)) != NULL) {
-            log[0] = 0;
-            nv->log(prog, log);
-            log[ls] = 0;
-            for (line = log; *line; line = end + (*end != 0)) {
-                if ((end = strchr(line, '\n')) == NULL) end = line + strlen(line);
-                if (end > line) kda__log(ctx, "%s %s: %.*s", k->name, arch, (int)(end - line), line);
-            }
-            free(log);
+        char *log = kda__nvrtc_log(nv, prog), *line, *end;
+        for (line = log; line && *line; line = end + (*end != 0)) {
+            if ((end = strchr(line, '\n')) == NULL) end = line + strlen(line);
+            if (end > line) kda__log(ctx, "%s %s: %.*s", k->name, arch, (int)(end - line), line);
         }
+        free(log);
     }
     nv->cubin_size(prog, &sz);
     bin = (char *)malloc(sz ? sz : 1);

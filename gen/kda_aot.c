@@ -117,6 +117,11 @@ static int write_embed(const char *path) {
     return fclose(f) == 0 ? 0 : -1;
 }
 
+static void ptxas_print(const job *j) {
+    if (j->report)
+        printf("PTXAS %s %s (gate %d, g %d):\n%s", kda_kernel_name(j->kernel), j->arch, j->gate, j->g_dtype, j->report);
+}
+
 /* the job's spill bytes and serialised wgmma, from its ptxas lines */
 static void ptxas_parse(job *j) {
     const char *r = j->report, *at;
@@ -145,10 +150,7 @@ static int ptxas_baseline(const char *path, int major, int minor) {
     }
     fclose(f);
     if (bmaj != major || bmin != minor) {
-        for (i = 0; i < njobs; i++)
-            if (jobs[i].report)
-                printf("PTXAS %s %s (gate %d, g %d):\n%s", kda_kernel_name(jobs[i].kernel), jobs[i].arch, jobs[i].gate,
-                       jobs[i].g_dtype, jobs[i].report);
+        for (i = 0; i < njobs; i++) ptxas_print(&jobs[i]);
         printf("ptxas baseline %s is NVRTC %d.%d's, this is %d.%d: spill code reported above, not checked\n", path, bmaj, bmin,
                major, minor);
         return 0;
@@ -156,8 +158,9 @@ static int ptxas_baseline(const char *path, int major, int minor) {
     for (i = 0; i < njobs; i++) {
         const job *j = &jobs[i];
         if (j->spill_st > 0 || j->spill_ld > 0 || j->serial) {
-            printf("FAILED %s %s (gate %d, g %d): %s; ptxas:\n%s", kda_kernel_name(j->kernel), j->arch, j->gate, j->g_dtype,
-                   j->serial ? "ptxas serialises its wgmma" : "more spill code than the ptxas baseline", j->report ? j->report : "");
+            printf("FAILED %s %s (gate %d, g %d): %s\n", kda_kernel_name(j->kernel), j->arch, j->gate, j->g_dtype,
+                   j->serial ? "ptxas serialises its wgmma" : "more spill code than the ptxas baseline");
+            ptxas_print(j);
             bad++;
         }
         better += j->spill_st < 0 || j->spill_ld < 0;
@@ -232,9 +235,7 @@ int main(int argc, char **argv) {
     for (i = 0; i < nthreads; i++) pthread_join(tid[i], NULL);
     for (i = 0; i < njobs; i++) {
         ptxas_parse(&jobs[i]);
-        if (jobs[i].report && !baseline) /* (against a baseline: the failures' alone) */
-            printf("PTXAS %s %s (gate %d, g %d):\n%s", kda_kernel_name(jobs[i].kernel), jobs[i].arch, jobs[i].gate, jobs[i].g_dtype,
-                   jobs[i].report);
+        if (!baseline) ptxas_print(&jobs[i]); /* (against a baseline: the failures' alone) */
     }
     if (baseline || write) {
         kda__nvrtc nv;
