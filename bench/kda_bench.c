@@ -4,7 +4,8 @@
  *     cc -std=c11 -O3 -march=native bench/kda_bench.c -o kda-bench -lm -lpthread -ldl
  *     ./kda-bench --device cpu [--reps N] [--threads N]
  *     ./kda-bench --device gpu [--reps N] [--peak-gbps X] [--ops fwd,bwd,decode]
- *     (any of them: --dtype f16 for fp16 q, k, v, beta and o instead of bf16)
+ *     (any of them: --dtype f16 for fp16 q, k, v, beta and o instead of bf16; gpu:
+ *      --g-dtype act for g in that dtype too, as a model's gate projection gives it)
  *     ./kda-bench --jit [--arch sm_90a] [--threads N]
  *
  * Prints one JSON line per (shape, op):
@@ -510,26 +511,27 @@ static void *dalloc(kda_context *ctx, dbufs *b, size_t bytes, const void *host)
  * from a random offset per 4096-element block (the timings do not depend on
  * the values; the pools give the same distributions as the CPU benchmark). */
 #define POOL_N (1 << 20)
-static uint16_t *pool_randn16, *pool_sigmoid16;
+static uint16_t *pool_randn16, *pool_sigmoid16, *pool_logsig16;
 static float *pool_logsig, *pool_randn_f32;
 
 static void pools_init(void)
 {
     if (pool_randn16) return;
-    pool_randn16 = xmalloc(POOL_N * 2), pool_sigmoid16 = xmalloc(POOL_N * 2);
+    pool_randn16 = xmalloc(POOL_N * 2), pool_sigmoid16 = xmalloc(POOL_N * 2), pool_logsig16 = xmalloc(POOL_N * 2);
     pool_logsig = xmalloc(POOL_N * 4), pool_randn_f32 = xmalloc(POOL_N * 4);
     for (size_t i = 0; i < POOL_N; i++) {
         pool_randn16[i] = to16(randn());
         pool_sigmoid16[i] = to16(1.0 / (1.0 + exp(-randn())));
         pool_logsig[i] = (float)logsigmoid(randn());
+        pool_logsig16[i] = to16(pool_logsig[i]);
         pool_randn_f32[i] = (float)randn();
     }
 }
 
 static void pools_free(void)
 {
-    free(pool_randn16), free(pool_sigmoid16), free(pool_logsig), free(pool_randn_f32);
-    pool_randn16 = pool_sigmoid16 = NULL;
+    free(pool_randn16), free(pool_sigmoid16), free(pool_logsig16), free(pool_logsig), free(pool_randn_f32);
+    pool_randn16 = pool_sigmoid16 = pool_logsig16 = NULL;
     pool_logsig = pool_randn_f32 = NULL;
 }
 
@@ -585,6 +587,7 @@ static void gpu_error_line(const char *op, const shape *s, const char *extra)
 
 static const char *g_ops = "fwd,bwd,decode"; /* --ops: which GPU operations to time */
 static const char *g_gate;                    /* --gate kimi or lb5 (NULL: g = logsigmoid(randn)) */
+static int g_g16;                             /* --g-dtype act: g in the activation dtype, not fp32 */
 static shape g_shape;                        /* --shape B,T,H,K,V: this one instead of the table */
 static int32_t g_cu[257];                     /* --seqlens: its varlen batch (B = 1, T = the sum) */
 
@@ -593,8 +596,14 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
     kda_problem p = bench_problem(s);
     dbufs b = {{0}, 0};
     const int kimi = g_gate && !strcmp(g_gate, "kimi"), lb5 = g_gate && !strcmp(g_gate, "lb5");
-    char gate_field[64] = "";
+    const size_t g_es = g_g16 ? 2 : 4; /* g's element size */
+    char gate_field[96] = "";
     if (g_gate) snprintf(gate_field, sizeof gate_field, ",\"gate\":\"%s\"", g_gate);
+    if (g_g16) {
+        p.g_dtype = g_dtype;
+        snprintf(gate_field + strlen(gate_field), sizeof gate_field - strlen(gate_field), ",\"g_dtype\":\"%s\"",
+                 kda_dtype_name(g_dtype));
+    }
     if (kimi) p.gate = KDA_GATE_SOFTPLUS;
     if (lb5) p.gate = KDA_GATE_LOWER_BOUND, p.lower_bound = -5.0;
     kda_status st = kda_problem_check(ctx, &p);
@@ -616,7 +625,8 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
     void *ws;
     if (!(in.q = dtile(ctx, &b, pool_randn16, n_qk, 2)) || !(in.k = dtile(ctx, &b, pool_randn16, n_qk, 2)) ||
         !(in.v = dtile(ctx, &b, pool_randn16, n_v, 2)) ||
-        !(in.g = dtile(ctx, &b, g_gate ? pool_randn_f32 : pool_logsig, n_g, 4)) ||
+        !(in.g = g_g16 ? dtile(ctx, &b, g_gate ? pool_randn16 : pool_logsig16, n_g, 2)
+                       : dtile(ctx, &b, g_gate ? pool_randn_f32 : pool_logsig, n_g, 4)) ||
         !(in.beta = dtile(ctx, &b, pool_sigmoid16, n_beta, 2)) ||
         !(in.h0 = dtile(ctx, &b, pool_randn_f32, n_state, 4)) || !(out.o = dalloc(ctx, &b, n_v * 2, NULL)) ||
         !(out.ht = dalloc(ctx, &b, n_state * 4, NULL)) || !(ws = dalloc(ctx, &b, ws_bytes, NULL)) ||
@@ -644,7 +654,7 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
     kda_set_workspace(ctx, ws, ws_bytes);
 
     double flops = fwd_flops(&p, s->cu_seqlens), med, mn;
-    double in_bytes = 2.0 * n_qk * 2 + n_v * 2.0 + n_g * 4.0 + n_beta * 2.0; /* q, k, v, g, beta */
+    double in_bytes = 2.0 * n_qk * 2 + n_v * 2.0 + (double)n_g * g_es + n_beta * 2.0; /* q, k, v, g, beta */
     if (strstr(g_ops, "fwd")) {
         if (gpu_time(ctx, run_fwd, "kda_chunk_fwd", &p, &in, &out, reps, &med, &mn) == 0)
             gpu_print("fwd", s, med, mn, flops, in_bytes + n_v * 2.0, peak_gbps, FLOP_MODEL, BYTES_MODEL_FWD, gate_field);
@@ -655,7 +665,7 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
     if (strstr(g_ops, "bwd")) {
         if (!(io.dout = dtile(ctx, &b, pool_randn16, n_v, 2)) || !(io.dq = dalloc(ctx, &b, n_qk * 2, NULL)) ||
             !(io.dk = dalloc(ctx, &b, n_qk * 2, NULL)) || !(io.dv = dalloc(ctx, &b, n_v * 2, NULL)) ||
-            !(io.dg = dalloc(ctx, &b, n_g * 4, NULL)) || !(io.dbeta = dalloc(ctx, &b, n_beta * 2, NULL)) ||
+            !(io.dg = dalloc(ctx, &b, n_g * g_es, NULL)) || !(io.dbeta = dalloc(ctx, &b, n_beta * 2, NULL)) ||
             !(io.dh0 = dalloc(ctx, &b, n_state * 4, NULL))) {
             gpu_error_line("bwd", s, gate_field);
         } else if (gpu_time(ctx, run_bwd, "kda_chunk_bwd", &p, &in, &io, reps, &med, &mn) == 0) {
@@ -1033,6 +1043,7 @@ static int usage(void)
                     "                 [--gate kimi|lb5]     (gpu: the softplus gate, Kimi Linear's initialisation;\n"
                     "                                        the lower-bound gate at -5, mostly near it)\n"
                     "                 [--dtype bf16|f16]    (q, k, v, beta, o; default bf16)\n"
+                    "                 [--g-dtype f32|act]   (gpu: g in fp32, or in --dtype's dtype; default f32)\n"
                     "       kda-bench --jit [--arch sm_90a] [--threads N]\n");
     return 1;
 }
@@ -1055,6 +1066,10 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--dtype")) {
             if (strcmp(val, "bf16") && strcmp(val, "f16")) return usage();
             g_dtype = strcmp(val, "f16") ? KDA_BF16 : KDA_F16;
+        }
+        else if (!strcmp(a, "--g-dtype")) {
+            if (strcmp(val, "f32") && strcmp(val, "act")) return usage();
+            g_g16 = !strcmp(val, "act");
         }
         else if (!strcmp(a, "--gate")) {
             if (strcmp(val, "kimi") && strcmp(val, "lb5")) return usage();
