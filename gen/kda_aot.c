@@ -38,6 +38,7 @@ typedef struct {
     char *error;
     char *report; /* --ptxas-check: ptxas's lines on spill code and serialised wgmma */
     int spill_st, spill_ld, serial; /* from them: spill bytes stored and loaded, wgmma serialised */
+    int base_st, base_ld;           /* --ptxas-baseline: its line for the job (spill_st, spill_ld then count past it) */
 } job;
 
 static job *jobs;
@@ -61,15 +62,29 @@ static void ptxas_line(void *user, const char *line) {
     j->report = r;
 }
 
-static void *worker(void *arg) {
+/* a context whose log lines go to *cur's report (--ptxas-check) */
+static kda_context *compile_context(job **cur) {
     kda_context *ctx = NULL;
-    job *cur = NULL;
     kda_context_options o;
-    (void)arg;
     memset(&o, 0, sizeof o);
-    o.log = ptxas_check ? ptxas_line : NULL, o.user = &cur;
+    o.log = ptxas_check ? ptxas_line : NULL, o.user = cur;
     if (kda_context_create(&ctx, KDA_BACKEND_CPU, &o) != KDA_OK) return NULL;
     ctx->ptxas_info = ptxas_check;
+    return ctx;
+}
+
+static void compile_job(kda_context *ctx, job *j) {
+    j->status = j->gate < 0 ? kda_compile_kernel(ctx, j->kernel, j->arch, &j->cubin, &j->size, j->file, sizeof j->file)
+                            : kda_compile_kernel_gate(ctx, j->kernel, (kda_gate)j->gate, (kda_dtype)j->g_dtype, j->arch, &j->cubin,
+                                                      &j->size, j->file, sizeof j->file);
+    if (j->status != KDA_OK) j->error = strdup(kda_last_error(ctx));
+}
+
+static void *worker(void *arg) {
+    job *cur = NULL;
+    kda_context *ctx = compile_context(&cur);
+    (void)arg;
+    if (!ctx) return NULL;
     for (;;) {
         job *j;
         pthread_mutex_lock(&lock);
@@ -77,10 +92,7 @@ static void *worker(void *arg) {
         pthread_mutex_unlock(&lock);
         if (!j) break;
         cur = j;
-        j->status = j->gate < 0 ? kda_compile_kernel(ctx, j->kernel, j->arch, &j->cubin, &j->size, j->file, sizeof j->file)
-                                : kda_compile_kernel_gate(ctx, j->kernel, (kda_gate)j->gate, (kda_dtype)j->g_dtype, j->arch,
-                                                          &j->cubin, &j->size, j->file, sizeof j->file);
-        if (j->status != KDA_OK) j->error = strdup(kda_last_error(ctx));
+        compile_job(ctx, j);
     }
     kda_context_destroy(ctx);
     return NULL;
@@ -132,6 +144,35 @@ static void ptxas_parse(job *j) {
     j->serial = r && strstr(r, "Performance Loss") != NULL;
 }
 
+/* A job past the baseline, compiled again alone, twice at most; it keeps the compile that
+ * spilled least. ptxas once spilled more in one compile of unchanged source (a clean clone's
+ * make nvrtc-check, 2026-11-28: 48/100 bytes stored/loaded for bwd_dhu f32 bv32 on sm_80,
+ * against its 32/84 in every run before and after), so a failure must hold in every compile;
+ * a change that spills fails as before. Prints what each compile reported. */
+static void recheck(job *j) {
+    job *cur = NULL;
+    kda_context *ctx = compile_context(&cur);
+    int k;
+    for (k = 0; ctx && k < 2 && (j->spill_st > 0 || j->spill_ld > 0 || j->serial); k++) {
+        job again = *j;
+        again.report = NULL, again.error = NULL, again.cubin = NULL;
+        again.spill_st = again.spill_ld = again.serial = 0;
+        cur = &again;
+        compile_job(ctx, &again);
+        ptxas_parse(&again);
+        again.spill_st -= j->base_st, again.spill_ld -= j->base_ld; /* past the baseline */
+        printf("RECHECK %s %s (gate %d, g %d): %d/%d bytes past the baseline, then %d/%d\n", kda_kernel_name(j->kernel), j->arch,
+               j->gate, j->g_dtype, j->spill_st, j->spill_ld, again.spill_st, again.spill_ld);
+        if (again.status == KDA_OK && again.spill_st <= j->spill_st && again.spill_ld <= j->spill_ld && !again.serial) {
+            free(j->report), free(j->cubin);
+            j->report = again.report, j->cubin = again.cubin, j->size = again.size, again.report = NULL, again.cubin = NULL;
+            j->spill_st = again.spill_st, j->spill_ld = again.spill_ld, j->serial = again.serial;
+        }
+        free(again.report), free(again.error), free(again.cubin);
+    }
+    if (ctx) kda_context_destroy(ctx);
+}
+
 /* The baseline's "nvrtc MAJOR.MINOR" line and one line a kernel with spill code:
  * "NAME ARCH GATE G_DTYPE STORED LOADED". Checks every job against it; returns the failures,
  * or 0 with a note where the file is another NVRTC version's (compilers spill differently) */
@@ -146,7 +187,8 @@ static int ptxas_baseline(const char *path, int major, int minor) {
         for (i = 0; i < njobs; i++)
             if (!strcmp(kda_kernel_name(jobs[i].kernel), name) && !strcmp(jobs[i].arch, arch) && jobs[i].gate == gate &&
                 jobs[i].g_dtype == gd)
-                jobs[i].spill_st -= st, jobs[i].spill_ld -= ld; /* now the growth past the baseline */
+                jobs[i].spill_st -= st, jobs[i].spill_ld -= ld, /* now the growth past the baseline */
+                    jobs[i].base_st = st, jobs[i].base_ld = ld;
     }
     fclose(f);
     if (bmaj != major || bmin != minor) {
@@ -156,7 +198,8 @@ static int ptxas_baseline(const char *path, int major, int minor) {
         return 0;
     }
     for (i = 0; i < njobs; i++) {
-        const job *j = &jobs[i];
+        job *j = &jobs[i];
+        if (j->spill_st > 0 || j->spill_ld > 0 || j->serial) recheck(j);
         if (j->spill_st > 0 || j->spill_ld > 0 || j->serial) {
             printf("FAILED %s %s (gate %d, g %d): %s\n", kda_kernel_name(j->kernel), j->arch, j->gate, j->g_dtype,
                    j->serial ? "ptxas serialises its wgmma" : "more spill code than the ptxas baseline");
