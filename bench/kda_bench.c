@@ -597,11 +597,11 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
     dbufs b = {{0}, 0};
     const int kimi = g_gate && !strcmp(g_gate, "kimi"), lb5 = g_gate && !strcmp(g_gate, "lb5");
     const size_t g_es = g_g16 ? 2 : 4; /* g's element size */
-    char gate_field[96] = "";
-    if (g_gate) snprintf(gate_field, sizeof gate_field, ",\"gate\":\"%s\"", g_gate);
+    char extra_fields[96] = ""; /* the line's gate and g_dtype fields, where not the defaults */
+    if (g_gate) snprintf(extra_fields, sizeof extra_fields, ",\"gate\":\"%s\"", g_gate);
     if (g_g16) {
         p.g_dtype = g_dtype;
-        snprintf(gate_field + strlen(gate_field), sizeof gate_field - strlen(gate_field), ",\"g_dtype\":\"%s\"",
+        snprintf(extra_fields + strlen(extra_fields), sizeof extra_fields - strlen(extra_fields), ",\"g_dtype\":\"%s\"",
                  kda_dtype_name(g_dtype));
     }
     if (kimi) p.gate = KDA_GATE_SOFTPLUS;
@@ -646,7 +646,7 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
         in.dt_bias = dalloc(ctx, &b, (size_t)p.HV * p.K * 4, dtb);
         free(a), free(dtb);
         if (!in.A_log || !in.dt_bias) {
-            gpu_error_line("fwd", s, gate_field), gpu_error_line("bwd", s, gate_field);
+            gpu_error_line("fwd", s, extra_fields), gpu_error_line("bwd", s, extra_fields);
             dfree_all(ctx, &b);
             return;
         }
@@ -657,9 +657,9 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
     double in_bytes = 2.0 * n_qk * 2 + n_v * 2.0 + (double)n_g * g_es + n_beta * 2.0; /* q, k, v, g, beta */
     if (strstr(g_ops, "fwd")) {
         if (gpu_time(ctx, run_fwd, "kda_chunk_fwd", &p, &in, &out, reps, &med, &mn) == 0)
-            gpu_print("fwd", s, med, mn, flops, in_bytes + n_v * 2.0, peak_gbps, FLOP_MODEL, BYTES_MODEL_FWD, gate_field);
+            gpu_print("fwd", s, med, mn, flops, in_bytes + n_v * 2.0, peak_gbps, FLOP_MODEL, BYTES_MODEL_FWD, extra_fields);
         else
-            gpu_error_line("fwd", s, gate_field);
+            gpu_error_line("fwd", s, extra_fields);
     }
 
     if (strstr(g_ops, "bwd")) {
@@ -667,12 +667,12 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
             !(io.dk = dalloc(ctx, &b, n_qk * 2, NULL)) || !(io.dv = dalloc(ctx, &b, n_v * 2, NULL)) ||
             !(io.dg = dalloc(ctx, &b, n_g * g_es, NULL)) || !(io.dbeta = dalloc(ctx, &b, n_beta * 2, NULL)) ||
             !(io.dh0 = dalloc(ctx, &b, n_state * 4, NULL))) {
-            gpu_error_line("bwd", s, gate_field);
+            gpu_error_line("bwd", s, extra_fields);
         } else if (gpu_time(ctx, run_bwd, "kda_chunk_bwd", &p, &in, &io, reps, &med, &mn) == 0) {
             double bytes = in_bytes + n_v * 2.0 /* dout */ + in_bytes /* the gradients, same sizes */;
-            gpu_print("bwd", s, med, mn, 3.0 * flops, bytes, peak_gbps, FLOP_MODEL, BYTES_MODEL_BWD, gate_field);
+            gpu_print("bwd", s, med, mn, 3.0 * flops, bytes, peak_gbps, FLOP_MODEL, BYTES_MODEL_BWD, extra_fields);
         } else {
-            gpu_error_line("bwd", s, gate_field);
+            gpu_error_line("bwd", s, extra_fields);
         }
     }
     kda_set_workspace(ctx, NULL, 0);
