@@ -33,7 +33,8 @@
  *
  * --device gpu: the shapes of ANCHORS.md (same inputs and options as the CPU) and
  * decode (one token per sequence, N = 1, 32, 256 sequences, H = 32, K = V = 128,
- * the fp32 state in a pool of N slots updated in place). All buffers are device
+ * the fp32 state in a pool of N slots updated in place; --decode-n one N, --pool-dtype bf16
+ * a bf16 pool). All buffers are device
  * memory (kda_malloc) with one workspace set up front. --shape B,T,H,K,V times that
  * one shape instead (profiling). Timing: CUDA events on the
  * default stream (the stream kda uses unless kda_set_stream says otherwise), 2
@@ -47,7 +48,7 @@
  * Bytes model: each tensor the operation must touch, once:
  *     fwd    reads q, k, v, g, beta and writes o (h0 and ht left out)
  *     bwd    reads q, k, v, g, beta, dout and writes dq, dk, dv, dg, dbeta (h0, dh0 left out)
- *     decode reads and writes the fp32 state, reads q, k, v, g, beta and writes o
+ *     decode reads and writes the state (fp32, or bf16), reads q, k, v, g, beta and writes o
  * A shape that does not fit in memory or fails prints {"device":"gpu",..,"error":".."}
  * and the run goes on. Without a usable GPU it prints {"device":"gpu","error":".."}
  * and exits 2.
@@ -112,6 +113,8 @@ static const shape gpu_shapes[] = {
     {2, 8192, 16, 128, 256, NULL, 0},
 };
 static const int decode_N[] = {1, 32, 256};
+static int g_decode_n;     /* --decode-n: this one N instead of decode_N */
+static int g_pool_bf16;    /* --pool-dtype bf16: the decode pool in bf16 */
 #define DECODE_H 32
 #define DECODE_D 128
 
@@ -686,7 +689,8 @@ static void gpu_bench_decode(kda_context *ctx, int N, int reps, double peak_gbps
     shape s = {N, 1, DECODE_H, DECODE_D, DECODE_D, NULL, 0};
     kda_problem p = bench_problem(&s);
     dbufs b = {{0}, 0};
-    const char *extra = ",\"state\":\"pool\"";
+    const char *extra = g_pool_bf16 ? ",\"state\":\"pool\",\"state_dtype\":\"bf16\"" : ",\"state\":\"pool\",\"state_dtype\":\"f32\"";
+    const size_t sb = g_pool_bf16 ? 2 : 4; /* bytes per state value */
     size_t n_qk = (size_t)N * p.H * p.K, n_v = (size_t)N * p.HV * p.V, n_g = (size_t)N * p.HV * p.K;
     size_t n_beta = (size_t)N * p.HV, n_state = (size_t)N * p.HV * p.K * p.V;
     size_t ws_bytes = kda_recurrent_workspace_size(&p);
@@ -699,10 +703,12 @@ static void gpu_bench_decode(kda_context *ctx, int N, int reps, double peak_gbps
     void *ws = NULL;
     float *pool_h = xmalloc(n_state * 4);
     for (size_t i = 0; i < n_state; i++) pool_h[i] = 0.1f * pool_randn_f32[i % POOL_N];
+    if (g_pool_bf16) /* the same values in bf16, packed into the front of pool_h */
+        for (size_t i = 0; i < n_state; i++) ((uint16_t *)pool_h)[i] = kda_f32_to_bf16(pool_h[i]);
     if (!(in.q = dtile(ctx, &b, pool_randn16, n_qk, 2)) || !(in.k = dtile(ctx, &b, pool_randn16, n_qk, 2)) ||
         !(in.v = dtile(ctx, &b, pool_randn16, n_v, 2)) || !(in.g = dtile(ctx, &b, pool_logsig, n_g, 4)) ||
         !(in.beta = dtile(ctx, &b, pool_sigmoid16, n_beta, 2)) || !(io.o = dalloc(ctx, &b, n_v * 2, NULL)) ||
-        !(io.state_pool = dalloc(ctx, &b, n_state * 4, pool_h)) ||
+        !(io.state_pool = dalloc(ctx, &b, n_state * sb, pool_h)) ||
         !(io.slots = dalloc(ctx, &b, (size_t)N * sizeof(int32_t), slots)) ||
         (ws_bytes && !(ws = dalloc(ctx, &b, ws_bytes, NULL)))) {
         gpu_error_line("decode", &s, extra);
@@ -710,9 +716,10 @@ static void gpu_bench_decode(kda_context *ctx, int N, int reps, double peak_gbps
         double med, mn;
         io.slots_host = slots;
         io.num_slots = N;
+        io.state_dtype = g_pool_bf16 ? KDA_BF16 : KDA_F32;
         kda_set_workspace(ctx, ws, ws_bytes);
         if (gpu_time(ctx, run_rec, "kda_recurrent_fwd", &p, &in, &io, reps, &med, &mn) == 0) {
-            double bytes = 2.0 * n_state * 4 + 2.0 * n_qk * 2 + n_v * 2.0 + n_g * 4.0 + n_beta * 2.0 + n_v * 2.0;
+            double bytes = 2.0 * n_state * sb + 2.0 * n_qk * 2 + n_v * 2.0 + n_g * 4.0 + n_beta * 2.0 + n_v * 2.0;
             gpu_print("decode", &s, med, mn, 7.0 * N * p.HV * p.K * p.V, bytes, peak_gbps, FLOP_MODEL_DECODE,
                       BYTES_MODEL_DECODE, extra);
         } else {
@@ -754,7 +761,8 @@ static int bench_gpu(int reps, double peak_gbps)
     else
         for (size_t i = 0; i < sizeof gpu_shapes / sizeof gpu_shapes[0]; i++)
             gpu_bench_shape(ctx, &gpu_shapes[i], reps, peak_gbps);
-    if (strstr(g_ops, "decode"))
+    if (strstr(g_ops, "decode") && g_decode_n) gpu_bench_decode(ctx, g_decode_n, reps, peak_gbps);
+    else if (strstr(g_ops, "decode"))
         for (size_t i = 0; i < sizeof decode_N / sizeof decode_N[0]; i++) gpu_bench_decode(ctx, decode_N[i], reps, peak_gbps);
     pools_free();
     cu_close();
@@ -1044,6 +1052,8 @@ static int usage(void)
                     "                                        the lower-bound gate at -5, mostly near it)\n"
                     "                 [--dtype bf16|f16]    (q, k, v, beta, o; default bf16)\n"
                     "                 [--g-dtype f32|act]   (gpu: g in fp32, or in --dtype's dtype; default f32)\n"
+                    "                 [--decode-n N]        (gpu: decode N sequences only, not 1, 32 and 256)\n"
+                    "                 [--pool-dtype f32|bf16] (gpu: the decode state pool's dtype; default f32)\n"
                     "       kda-bench --jit [--arch sm_90a] [--threads N]\n");
     return 1;
 }
@@ -1070,6 +1080,13 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--g-dtype")) {
             if (strcmp(val, "f32") && strcmp(val, "act")) return usage();
             g_g16 = !strcmp(val, "act");
+        }
+        else if (!strcmp(a, "--decode-n")) {
+            if ((g_decode_n = atoi(val)) < 1) return usage();
+        }
+        else if (!strcmp(a, "--pool-dtype")) {
+            if (strcmp(val, "f32") && strcmp(val, "bf16")) return usage();
+            g_pool_bf16 = !strcmp(val, "bf16");
         }
         else if (!strcmp(a, "--gate")) {
             if (strcmp(val, "kimi") && strcmp(val, "lb5")) return usage();
