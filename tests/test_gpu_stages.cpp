@@ -246,6 +246,12 @@ static std::vector<Cfg> configs(bool quick) {
     v.push_back({"varlen_K130_V33_nostate_bt16", p, {0, 1, 40}, 0, 0});
     p = kda_problem_default(1, 33, 1, 200, 40); p.chunk_size = 32; p.qk_l2norm = 1; p.dtype = KDA_BF16;
     v.push_back({"K200_V40_l2norm_bf16_bt32", p, {}, 1, 0});
+    /* decode: one token from a given state, which the pool test's result then mostly is (a long
+       sequence forgets its initial state, and would let an error in loading it pass) */
+    p = kda_problem_default(4, 1, 2, 128, 128); p.chunk_size = 64; p.qk_l2norm = 1; p.dtype = KDA_BF16;
+    v.push_back({"decode_B4_T1_K128_V128_l2norm_bf16", p, {}, 1, 0});
+    p = kda_problem_default(3, 1, 1, 64, 40); p.chunk_size = 16; p.state_layout = KDA_STATE_VK;
+    v.push_back({"decode_B3_T1_K64_V40_vk", p, {}, 1, 0});
     return v;
 }
 
