@@ -112,11 +112,13 @@ test-sanitize:
 # The fused forward in the emulator under ThreadSanitizer: its warps hand shared-memory
 # buffers to each other through named barriers, which compute-sanitizer's racecheck does
 # not model; here an access that no barrier orders against another thread's write of
-# the same bytes (cp.async's included: they land at the wait) stops the run. The probe, a
-# kernel with such an access, must be reported: the emulator's fibers order nothing themselves.
+# the same bytes (cp.async's included: they land at the wait) stops the run. The whole
+# operations of the two quick problems (ops: the staged kernels and the recurrence, 15 s)
+# run too: a __syncthreads taken out of the recurrence's state store is reported. The probe,
+# a kernel with such an access, must be reported: the emulator's fibers order nothing themselves.
 test-race:
 	$(MAKE) BUILD=build/race SAN="-g1 -fsanitize=thread" build/race/test_gpu_stages
-	TSAN_OPTIONS="halt_on_error=1 exitcode=66" ./build/race/test_gpu_stages --quick --race fused emulator
+	TSAN_OPTIONS="halt_on_error=1 exitcode=66" ./build/race/test_gpu_stages --quick --race fused emulator ops
 	TSAN_OPTIONS="halt_on_error=1 exitcode=66" ./build/race/test_gpu_stages --race-probe >/dev/null 2>&1; \
 	    rc=$$?; [ $$rc -eq 66 ] && echo "race probe: reported" || { echo "FAIL: race probe exit $$rc, not ThreadSanitizer's report (66)"; exit 1; }
 
