@@ -237,6 +237,19 @@ typedef struct kda_fwd_outputs {
                                 chunk (NT = kda_num_chunks), optional */
     void *saved;             /* optional, kda_fwd_saved_size bytes: the forward keeps its
                                 intermediates here so kda_chunk_bwd need not recompute */
+    /* Pool form (serving prefill), as kda_recurrent_io's: sequence n starts from and ends in
+     * slot slots[n] of state_pool [num_slots,HV,K,V] (or [..,V,K]), fp32 or bf16 (state_dtype),
+     * read and written in place by the kernels. slots[n] < 0 is padding: the sequence runs
+     * from a zero state (its o rows are written) and no slot is touched. in.h0, ht and saved
+     * must be NULL in this form (the backward has no pool form); h may be asked for. The CUDA
+     * backend gathers the sequences' states into fp32 in the workspace before the forward and
+     * puts them back after it (a bf16 pool: rounded once): N*HV*K*V*4 + 256 bytes more than
+     * kda_fwd_workspace_size. */
+    float *state_pool;
+    const int32_t *slots;    /* [N], in the backend's memory */
+    int num_slots;
+    const int32_t *slots_host; /* optional host copy of slots, validated when given */
+    kda_dtype state_dtype;   /* KDA_F32 (0, the default) or KDA_BF16 */
 } kda_fwd_outputs;
 
 typedef struct kda_bwd_io {
@@ -304,7 +317,8 @@ kda_status kda_memset(kda_context *ctx, void *dst, int byte, size_t bytes);
 /* Waits until every call made on the context's stream has finished. */
 kda_status kda_synchronize(kda_context *ctx);
 
-/* Bytes of kda_fwd_outputs.saved; bytes of workspace each operation needs at most. */
+/* Bytes of kda_fwd_outputs.saved; bytes of workspace each operation needs at most (the
+ * forward's pool form on a device: N*HV*K*V*4 + 256 more, see kda_fwd_outputs). */
 size_t kda_fwd_saved_size(const kda_problem *p);
 size_t kda_fwd_workspace_size(const kda_problem *p);
 size_t kda_bwd_workspace_size(const kda_problem *p, int have_saved);
@@ -1217,6 +1231,14 @@ size_t kda_work_layout(const kda_problem *p, int parts, void *base, kda_work *w)
 
 #define KDA__VBLK 64 /* V columns per scan task: columns of the state are independent */
 
+/* A state pool (the pool form of kda_recurrent_fwd and kda_chunk_fwd). */
+typedef struct kda__pool {
+    float *states;           /* NULL: no pool */
+    const int32_t *slots;
+    int num_slots;
+    kda_dtype dtype;         /* KDA_F32 or KDA_BF16 */
+} kda__pool;
+
 typedef struct {
     const kda_problem *p;
     const kda_inputs *in;
@@ -1230,6 +1252,10 @@ typedef struct {
     float *ht, *dh0, *dA_log, *ddt_bias, *h_out;
     void *o, *dv, *dg, *dq, *dk, *dbeta;
     const kda_recurrent_io *rio;
+    kda__pool pool;    /* the pool form's state pool (states NULL: the plain form) */
+    float *pool_f32;   /* the pool's states gathered into fp32 (the chunk forward on a device:
+                          kda__pool_convert), which the forward reads as h0 and writes as ht */
+    size_t ws_front;   /* workspace bytes in front of the forward's own: pool_f32 (0: none) */
     void *dev_tables;  /* device backends: the sequence tables (varlen) */
 } kda__cpu;
 
@@ -1483,6 +1509,24 @@ static size_t kda__sidx(const kda_problem *p, long long idx, int d, int v) {
     return p->state_layout == KDA_STATE_KV ? base + (size_t)d * p->V + v : base + (size_t)v * p->K + d;
 }
 
+/* Where sequence sq's state of value head hv starts and ends: in.h0 and ht (either may be
+ * NULL), or in the pool form its slot, fp32 or bf16. Returns 0 for padding (a slot < 0, or
+ * out of range: kda__check_slots rejects that where it can see the slots), src = dst = NULL. */
+static int kda__state_at(const kda__cpu *c, int sq, int hv, const float *h0, float *ht, const void **src, void **dst,
+                         kda_dtype *dt, long long *sidx) {
+    *src = h0; *dst = ht; *dt = KDA_F32;
+    *sidx = (long long)sq * c->HV + hv;
+    if (c->pool.states) {
+        int slot = c->pool.slots[sq];
+        int in = slot >= 0 && slot < c->pool.num_slots;
+        *src = *dst = in ? c->pool.states : NULL;
+        *dt = c->pool.dtype;
+        *sidx = (long long)slot * c->HV + hv;
+        return in;
+    }
+    return 1;
+}
+
 /* ---- stage 5: inter-chunk state scan ---- */
 static void kda__state_task(void *arg, long long item, float *scratch) {
     kda__cpu *c = (kda__cpu *)arg;
@@ -1491,10 +1535,14 @@ static void kda__state_task(void *arg, long long item, float *scratch) {
     int v0 = vb * KDA__VBLK, vw = V - v0 < KDA__VBLK ? V - v0 : KDA__VBLK, d, v, i;
     size_t rk = KDA__RK(c), rv = KDA__RV(c);
     float *S = scratch, *el = S + (size_t)K * KDA__VBLK;
-    long long gc, sidx = (long long)sq * c->HV + hv;
+    const void *src;
+    void *dst;
+    kda_dtype sdt;
+    long long gc, sidx;
+    kda__state_at(c, sq, hv, c->in->h0, c->ht, &src, &dst, &sdt, &sidx); /* padding: from zeros, nowhere */
     for (d = 0; d < K; d++)
         for (v = 0; v < vw; v++)
-            S[(size_t)d * KDA__VBLK + v] = c->in->h0 ? c->in->h0[kda__sidx(c->p, sidx, d, v0 + v)] : 0.0f;
+            S[(size_t)d * KDA__VBLK + v] = src ? kda__ld(src, sdt, kda__sidx(c->p, sidx, d, v0 + v)) : 0.0f;
     for (gc = c->s.chunk0[sq]; gc < c->s.chunk0[sq + 1]; gc++) {
         kda__chunk ch = kda__chunk_at(c->p, &c->s, gc);
         float *h = c->w->h + ((size_t)gc * c->HV + hv) * K * V;
@@ -1509,9 +1557,9 @@ static void kda__state_task(void *arg, long long item, float *scratch) {
             for (v = 0; v < vw; v++) S[(size_t)d * KDA__VBLK + v] *= el[d];
         kda__mm(K, vw, ch.n, 1.0f, kg, (int)rk, KDA__TRANS_A, vn, (int)rv, 1, S, KDA__VBLK);
     }
-    if (c->ht)
+    if (dst)
         for (d = 0; d < K; d++)
-            for (v = 0; v < vw; v++) c->ht[kda__sidx(c->p, sidx, d, v0 + v)] = S[(size_t)d * KDA__VBLK + v];
+            for (v = 0; v < vw; v++) kda__st(dst, sdt, kda__sidx(c->p, sidx, d, v0 + v), S[(size_t)d * KDA__VBLK + v]);
 }
 
 /* ---- stage 6: output ---- */
@@ -1944,20 +1992,12 @@ static void kda__recurrent_task(void *arg, long long item, float *scratch) {
     const kda_inputs *in = c->in;
     const kda_recurrent_io *io = c->rio;
     int hv = (int)(item % c->HV), sq = (int)(item / c->HV), h = hv / c->G, K = c->K, V = c->V, d, v;
-    long long t, sidx = (long long)sq * c->HV + hv;
+    long long t, sidx;
     float *S = scratch, *qv = S + (size_t)K * V, *kv = qv + K, *ea = kv + K, *e = ea + K, *o = e + V;
-    void *src = NULL, *dst = NULL;
-    kda_dtype sdt = KDA_F32;
-    if (io->state_pool) {
-        int slot = io->slots[sq];
-        if (slot < 0 || slot >= io->num_slots) return; /* padding: untouched */
-        src = dst = io->state_pool;
-        sdt = io->state_dtype;
-        sidx = (long long)slot * c->HV + hv;
-    } else {
-        src = (void *)in->h0;
-        dst = io->ht;
-    }
+    const void *src;
+    void *dst;
+    kda_dtype sdt;
+    if (!kda__state_at(c, sq, hv, in->h0, io->ht, &src, &dst, &sdt, &sidx)) return; /* padding: untouched */
     for (d = 0; d < K; d++)
         for (v = 0; v < V; v++) S[(size_t)d * V + v] = src ? kda__ld(src, sdt, kda__sidx(p, sidx, d, v)) : 0.0f;
     for (t = c->s.bos[sq]; t < c->s.bos[sq] + c->s.len[sq]; t++) {
@@ -3207,10 +3247,12 @@ static void kda__ws_release(kda_context *ctx, void *ptr, int owned) {
 static const char *const kda__stage_names[] = {
     "prepare", "gate_cumsum", "intra", "solve", "wu", "state", "output", "fwd_fused", "fwd_combine", "fwd_fused_bounded", "fwd_bound",
     "bwd_dav", "bwd_dhu", "bwd_wy", "bwd_intra", "bwd_cumsum", "bwd_gate", "bwd_qkb", 0, 0,
-    "recurrent", "states_out", "selftest_mma", "fwd_fused_pairs", "fwd_fused_bounded_pairs"};
+    "recurrent", "states_out", "selftest_mma", "fwd_fused_pairs", "fwd_fused_bounded_pairs", "pool_widen", "pool_narrow"};
 #define KDA__STAGE_RECURRENT 20
 #define KDA__STAGE_STATES_OUT 21
 #define KDA__STAGE_SELFTEST_MMA 22 /* tests only: the tensor-core fragment layout */
+#define KDA__STAGE_POOL_WIDEN 25
+#define KDA__STAGE_POOL_NARROW 26
 #define KDA__STAGE_FWD_FUSED 7
 #define KDA__STAGE_FWD_COMBINE 8
 #define KDA__STAGE_FWD_FUSED_BOUNDED 9
@@ -3276,9 +3318,10 @@ static void kda__kparams_fill(kda__kparams *a, const kda__cpu *c) {
     a->dv = c->dv; a->dg = c->dg; a->dq = c->dq; a->dk = c->dk; a->dbeta = c->dbeta;
     a->dA_log = c->dA_log; a->ddt_bias = c->ddt_bias;
     if (c->rio) {
-        a->o = c->rio->o; a->ht = c->rio->ht; a->state_pool = c->rio->state_pool; a->slots = c->rio->slots;
-        a->num_slots = c->rio->num_slots; a->pool_dtype = c->rio->state_dtype;
+        a->o = c->rio->o; a->ht = c->rio->ht;
+        a->state_pool = c->pool.states; a->slots = c->pool.slots; a->num_slots = c->pool.num_slots; a->pool_dtype = c->pool.dtype;
     }
+    if (c->pool_f32) a->h0 = a->ht = c->pool_f32; /* the chunk forward over its pool's gathered states */
     if (c->h_out) a->ht = c->h_out; /* states_out writes the intermediate states through ht */
 }
 
@@ -3600,6 +3643,11 @@ kda_status kda_l2norm_bwd(kda_context *ctx, long long rows, int D, const float *
 /* -------------------------------------------------------------- operations */
 
 size_t kda_fwd_saved_size(const kda_problem *p) { return kda_work_layout(p, KDA_WORK_FWD, NULL, NULL); }
+/* The fp32 copy of a pool's sequences' states (the chunk forward's pool form on a device) and
+ * the slack to align it */
+static size_t kda__pool_f32_size(const kda_problem *p) {
+    return (size_t)kda_num_seqs(p) * p->HV * p->K * p->V * sizeof(float) + 256;
+}
 size_t kda_fwd_workspace_size(const kda_problem *p) {
     return kda__tables_size(p) + kda_work_layout(p, KDA_WORK_FWD, NULL, NULL);
 }
@@ -4319,6 +4367,25 @@ static kda_status kda__chain_launch(kda_context *ctx, int *chained, const kda__k
     return (after ? ctx->dev->launch_after : ctx->dev->launch)(ctx, k, grid, a);
 }
 
+/* The chunk forward's pool form on a device, through the workspace's front (c->ws_front bytes at
+ * ws): POOL_WIDEN gathers the sequences' states from their slots into fp32 at c->pool_f32,
+ * which the forward then reads as h0 and writes as ht (its kernels as in the plain form), and
+ * POOL_NARROW puts them back (a bf16 pool: rounded once). Without a pool, nothing. (Slots read
+ * inside the fused kernels cost them 2.5-5%: templates/pool_widen.cu.j2.) */
+static kda_status kda__pool_convert(kda_context *ctx, kda__cpu *c, void *ws, int stage) {
+    const kda__kdesc *k;
+    unsigned grid[3];
+    kda__kparams a;
+    if (!c->ws_front) return KDA_OK;
+    if (!(k = kda__kernel_find(ctx, stage, c->p))) return ctx->err[0] ? KDA_ERROR_UNSUPPORTED : KDA_ERROR_INTERNAL;
+    c->pool_f32 = (float *)(((uintptr_t)ws + 255) & ~(uintptr_t)255);
+    grid[0] = (unsigned)c->s.N; grid[1] = (unsigned)c->p->HV; grid[2] = 1u;
+    kda__kparams_fill(&a, c);
+    a.state_pool = c->pool.states; a.slots = c->pool.slots; a.num_slots = c->pool.num_slots; a.pool_dtype = c->pool.dtype;
+    a.h = c->pool_f32;
+    return ctx->dev->launch(ctx, k, grid, &a);
+}
+
 static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_problem *p, const kda_fwd_outputs *out,
                                  const kda__kdesc *kf) {
     const kda__kdesc *kc = kda__kernel_find(ctx, KDA__STAGE_FWD_COMBINE, p);
@@ -4331,7 +4398,8 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
      * tables where the exact passes cut otherwise), and slack the alignment of those four buffers */
     size_t tb = kda__tables_size(p), trans = (size_t)p->HV * (p->V + p->K) * p->K * sizeof(float),
            start = (size_t)p->HV * p->V * p->K * sizeof(float), flags = warm >= 0 ? (size_t)p->HV * sizeof(int) : 0,
-           slack = 1280, fixed = tb + slack + sizeof(int) * (2 * (size_t)(N + 2) + 1), bt = 0, bs = 0, bf = 0, tp = 0, te = 0;
+           slack = 1280, fixed = c->ws_front + tb + slack + sizeof(int) * (2 * (size_t)(N + 2) + 1), bt = 0, bs = 0, bf = 0, tp = 0,
+           te = 0;
     long long cap = LLONG_MAX;
     unsigned grid[3];
     void *ws = NULL;
@@ -4368,12 +4436,13 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     if (pl.np > N && warm >= 0)
         kda__log(ctx, "%s: where a bound fails, the exact split in %lld piece(s), at most %lld a sequence", ke->name, pe.np, pe.nseg);
     if (pe.np > N && pe.lead > 0) kda__log(ctx, "%s: the exact split's first pieces %lld chunks longer", ke->name, pe.lead);
-    if ((s = kda__ws_acquire(ctx, tb + slack + bt + bs + bf + tp + te, &ws, &owned))) goto done;
-    if ((s = kda__tables_upload(ctx, c, ws))) goto done;
+    if ((s = kda__ws_acquire(ctx, c->ws_front + tb + slack + bt + bs + bf + tp + te, &ws, &owned))) goto done;
+    if ((s = kda__pool_convert(ctx, c, ws, KDA__STAGE_POOL_WIDEN))) goto done;
+    if ((s = kda__tables_upload(ctx, c, (char *)ws + c->ws_front))) goto done;
     c->ht = out->ht;
     c->o = out->o;
     kda__kparams_fill(&a, c);
-    at = (char *)ws + tb;
+    at = (char *)ws + c->ws_front + tb;
 #define KDA__FZ_BUF(bytes) (at = (char *)(((uintptr_t)at + 255) & ~(uintptr_t)255), at += (bytes), at - (bytes))
     /* the tables, in one copy (pageable: staged before it returns, so they can go) */
     if (tp && (s = ctx->dev->copy(ctx, (void *)(a.fz_piece = (const int *)KDA__FZ_BUF(tp + te)), pl.tab, tp + te, KDA__H2D))) goto done;
@@ -4413,11 +4482,47 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     }
     a.fz_mode = 0; /* the output pass */
     KDA__FZ_GRID(pe, nve);
-    s = kda__chain_launch(ctx, &chained, pairs ? pairs : ke, grid, &a);
+    if (!(s = kda__chain_launch(ctx, &chained, pairs ? pairs : ke, grid, &a))) s = kda__pool_convert(ctx, c, ws, KDA__STAGE_POOL_NARROW);
 #undef KDA__FZ_GRID
 #undef KDA__FZ_BUF
 done:
     kda__ws_release(ctx, ws, owned);
+    return s;
+}
+
+/* The pool form's arguments (op: the operation's name in messages): either no pool, with
+ * slots NULL and state_dtype f32, or a pool with slots, validated from a host copy before
+ * anything is written. Fills *pl. */
+static kda_status kda__check_pool(kda_context *ctx, const kda_problem *p, const char *op, float *pool, const int32_t *slots,
+                                  int num_slots, const int32_t *slots_host, kda_dtype dtype, kda__pool *pl) {
+    int N = kda_num_seqs(p), n;
+    const int32_t *sl = kda__on_device(ctx) ? slots_host : slots;
+    unsigned char *seen;
+    kda_status s = KDA_OK;
+    memset(pl, 0, sizeof *pl);
+    if (!pool) {
+        if (slots) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "%s: slots given without state_pool", op);
+        if (dtype != KDA_F32)
+            return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "%s: state_dtype applies to the state pool; h0 and ht are fp32", op);
+        return KDA_OK;
+    }
+    if (!slots) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "%s: state_pool given without slots", op);
+    if (num_slots < 1) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "%s: num_slots=%d must be >= 1", op, num_slots);
+    if (dtype != KDA_F32 && dtype != KDA_BF16)
+        return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "%s: state_dtype=%s must be f32 or bf16", op, kda_dtype_name(dtype));
+    if (sl) { /* (device slots without a host copy: range-checked by the kernels) */
+        seen = (unsigned char *)kda__alloc(ctx, (size_t)num_slots);
+        if (!seen) return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "cannot allocate %d bytes", num_slots);
+        memset(seen, 0, (size_t)num_slots);
+        for (n = 0; n < N && s == KDA_OK; n++) {
+            int v = sl[n];
+            if (v >= num_slots) s = kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "%s: slots[%d]=%d >= num_slots=%d", op, n, v, num_slots);
+            else if (v >= 0 && seen[v]) s = kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "%s: slot %d is used by two sequences (slots[%d])", op, v, n);
+            else if (v >= 0) seen[v] = 1;
+        }
+        kda__free(ctx, seen);
+    }
+    pl->states = pool; pl->slots = slots; pl->num_slots = num_slots; pl->dtype = dtype;
     return s;
 }
 
@@ -4434,16 +4539,26 @@ kda_status kda_chunk_fwd(kda_context *ctx, const kda_problem *p, const kda_input
     memset(&c, 0, sizeof c);
     memset(&w, 0, sizeof w);
     if (!out || !out->o) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "outputs: o is required");
-    if ((s = kda__call_begin(ctx, &c, p, in, &w, 1))) return s;
+    if (out->state_pool && (out->ht || out->saved))
+        return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "outputs: %s must be NULL in the state-pool form%s", out->ht ? "ht" : "saved",
+                         out->ht ? " (the pool holds the states)" : " (the backward has no pool form)");
+    if ((s = kda__call_begin(ctx, &c, p, in, &w, out->state_pool == NULL))) return s;
+    if ((s = kda__check_pool(ctx, p, "outputs", out->state_pool, out->slots, out->num_slots, out->slots_host, out->state_dtype,
+                             &c.pool)))
+        goto done;
+    /* a pool on a device: the forward runs over its sequences' states gathered into fp32 in
+     * front of the workspace (kda__pool_convert) */
+    if (c.pool.states && kda__on_device(ctx)) c.ws_front = kda__pool_f32_size(p);
     if ((kf = kda__fused_wanted(ctx, p, out))) {
         s = kda__fused_fwd(ctx, &c, p, out, kf);
         goto done;
     }
     tb = kda__tables_size(p);
-    if ((s = kda__ws_acquire(ctx, tb + (out->saved ? 0 : kda_work_layout(p, KDA_WORK_FWD, NULL, NULL)), &ws, &owned)))
+    if ((s = kda__ws_acquire(ctx, c.ws_front + tb + (out->saved ? 0 : kda_work_layout(p, KDA_WORK_FWD, NULL, NULL)), &ws, &owned)))
         goto done;
-    kda_work_layout(p, KDA_WORK_FWD, out->saved ? out->saved : (char *)ws + tb, &w);
-    if ((s = kda__tables_upload(ctx, &c, ws))) goto done;
+    kda_work_layout(p, KDA_WORK_FWD, out->saved ? out->saved : (char *)ws + c.ws_front + tb, &w);
+    if ((s = kda__pool_convert(ctx, &c, ws, KDA__STAGE_POOL_WIDEN)) || (s = kda__tables_upload(ctx, &c, (char *)ws + c.ws_front)))
+        goto done;
     c.ht = out->ht;
     c.o = out->o;
     s = kda__run_stages(ctx, &c, 0, 6);
@@ -4460,6 +4575,7 @@ kda_status kda_chunk_fwd(kda_context *ctx, const kda_problem *p, const kda_input
                         out->h[kda__sidx(p, i, d, v)] = w.h[((size_t)i * p->K + d) * p->V + v];
         }
     }
+    if (s == KDA_OK) s = kda__pool_convert(ctx, &c, ws, KDA__STAGE_POOL_NARROW);
 done:
     kda__ws_release(ctx, ws, owned);
     kda__call_end(ctx, &c);
@@ -4500,32 +4616,6 @@ done:
     return s;
 }
 
-/* Validates the state pool's slots (host copy) before anything is written. */
-static kda_status kda__check_slots(kda_context *ctx, const kda_problem *p, const kda_recurrent_io *io) {
-    int N = kda_num_seqs(p), n;
-    const int32_t *sl = kda__on_device(ctx) ? io->slots_host : io->slots;
-    unsigned char *seen;
-    kda_status s = KDA_OK;
-    if (io->ht) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: ht must be NULL in the state-pool form");
-    if (!io->slots) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: state_pool given without slots");
-    if (io->num_slots < 1) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: num_slots=%d must be >= 1", io->num_slots);
-    if (io->state_dtype != KDA_F32 && io->state_dtype != KDA_BF16)
-        return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: state_dtype=%s must be f32 or bf16",
-                         kda_dtype_name(io->state_dtype));
-    if (!sl) return KDA_OK; /* device slots without a host copy: range-checked by the kernel */
-    seen = (unsigned char *)kda__alloc(ctx, (size_t)io->num_slots);
-    if (!seen) return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "cannot allocate %d bytes", io->num_slots);
-    memset(seen, 0, (size_t)io->num_slots);
-    for (n = 0; n < N && s == KDA_OK; n++) {
-        int v = sl[n];
-        if (v >= io->num_slots) s = kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: slots[%d]=%d >= num_slots=%d", n, v, io->num_slots);
-        else if (v >= 0 && seen[v]) s = kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: slot %d is used by two sequences (slots[%d])", v, n);
-        else if (v >= 0) seen[v] = 1;
-    }
-    kda__free(ctx, seen);
-    return s;
-}
-
 kda_status kda_recurrent_fwd(kda_context *ctx, const kda_problem *p_in, const kda_inputs *in,
                              const kda_recurrent_io *io) {
     kda_problem pc;
@@ -4540,11 +4630,11 @@ kda_status kda_recurrent_fwd(kda_context *ctx, const kda_problem *p_in, const kd
     pc = *p_in;
     pc.chunk_size = 64; /* not used by the recurrence */
     if (!io || !io->o) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: o is required");
-    if (!io->state_pool && io->slots) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: slots given without state_pool");
-    if (!io->state_pool && io->state_dtype != KDA_F32)
-        return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: state_dtype applies to the state pool; h0 and ht are fp32");
+    if (io->state_pool && io->ht) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "recurrent: ht must be NULL in the state-pool form");
     if ((s = kda__call_begin(ctx, &c, &pc, in, NULL, io->state_pool == NULL))) return s;
-    if (io->state_pool && (s = kda__check_slots(ctx, &pc, io))) goto done;
+    if ((s = kda__check_pool(ctx, &pc, "recurrent", io->state_pool, io->slots, io->num_slots, io->slots_host, io->state_dtype,
+                             &c.pool)))
+        goto done;
     c.rio = io;
     c.o = io->o;
     if (kda__on_device(ctx)) {
