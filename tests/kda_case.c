@@ -267,6 +267,52 @@ static int usage(void)
     return 3;
 }
 
+/* ---- The pool form ----------------------------------------------------------
+ * A state pool of 2N + 1 fp32 slots: sequence n starts from slot 2n + 1 (its h0, or
+ * zeros), and the even slots hold a sentinel that no call may change. */
+static const float pool_sentinel = 1e30f;
+
+/* The pool (host) and slots; 0 on success. */
+static int pool_of(const kda_case *c, size_t N, size_t sslot, float **pool, int32_t **slots)
+{
+    const size_t nslots = 2 * N + 1;
+    *pool = (float *)malloc(nslots * sslot * sizeof(float));
+    *slots = (int32_t *)malloc(N * sizeof(int32_t) + 1);
+    if (!*pool || !*slots) {
+        fail_msg("pool", "out of host memory");
+        free(*pool), free(*slots);
+        return -1;
+    }
+    for (size_t i = 0; i < nslots * sslot; i++) (*pool)[i] = pool_sentinel;
+    for (size_t n = 0; n < N; n++) {
+        (*slots)[n] = (int32_t)(2 * n + 1);
+        for (size_t i = 0; i < sslot; i++) (*pool)[(2 * n + 1) * sslot + i] = c->h0 ? c->h0[n * sslot + i] : 0.0f;
+    }
+    return 0;
+}
+
+/* The pool on the backend after a call (sfx names it): the named slots against the case's ht,
+ * and the number of values changed in the others, which must be 0. */
+static void pool_check(const char *sfx, const kda_case *c, const void *pool_dev, size_t N, size_t sslot, double tol)
+{
+    const size_t nslots = 2 * N + 1;
+    char name[64];
+    float *got = download(pool_dev, nslots * sslot, KDA_F32), *fin = (float *)malloc(N * sslot * sizeof(float) + 1);
+    if (got && fin) {
+        for (size_t n = 0; n < N; n++) memcpy(fin + n * sslot, got + (2 * n + 1) * sslot, sslot * sizeof(float));
+        snprintf(name, sizeof name, "ht%s", sfx);
+        if (c->ht) report(name, kda_err_ratio(c->ht, fin, N * sslot), tol);
+        size_t changed = 0;
+        for (size_t s = 0; s < nslots; s += 2)
+            for (size_t i = 0; i < sslot; i++)
+                if (memcmp(&got[s * sslot + i], &pool_sentinel, sizeof(float)) != 0) changed++;
+        /* the "error" here is the number of values changed in slots no sequence names */
+        snprintf(name, sizeof name, "untouched slots%s", sfx);
+        report(name, (double)changed, 0.0);
+    }
+    free(got), free(fin);
+}
+
 int main(int argc, char **argv)
 {
     const char *dir = NULL;
@@ -390,6 +436,29 @@ int main(int argc, char **argv)
         }
     }
 
+    /* ---- chunked forward, pool form (serving prefill): h0 from the slots, ht into them ---- */
+    {
+        float *pool;
+        int32_t *slots;
+        if (pool_of(&c, N, sslot, &pool, &slots)) goto done;
+        kda_inputs pin = in;
+        pin.h0 = NULL;
+        kda_fwd_outputs pout;
+        memset(&pout, 0, sizeof pout);
+        pout.o = KEEP(alloc_out(nv, dtype, &err));
+        pout.state_pool = (float *)KEEP(to_device(g_ctx, pool, (2 * N + 1) * sslot * sizeof(float)));
+        pout.slots = (const int32_t *)KEEP(to_device(g_ctx, slots, N * sizeof(int32_t)));
+        pout.num_slots = (int)(2 * N + 1);
+        pout.slots_host = slots;
+        if (!err && (!pout.state_pool || !pout.slots)) fail_msg("to_device", dev_error), err = 1;
+        if (!err && api("kda_chunk_fwd(pool)", kda_chunk_fwd(g_ctx, &p, &pin, &pout)) == 0) {
+            compare("o(pool)", c.o, pout.o, nv, dtype, tol);
+            pool_check("(pool)", &c, pout.state_pool, N, sslot, tol);
+        }
+        free(pool), free(slots);
+        if (err) goto done;
+    }
+
     /* ---- chunked backward: with the saved intermediates, then recomputing ---- */
     if (c.grad) {
         void *dout = KEEP(upload(c.do_, nv, dtype, &err));
@@ -452,20 +521,9 @@ int main(int argc, char **argv)
         if (c.cu_seqlens[n + 1] - c.cu_seqlens[n] != 1) one_token = 0;
     if (one_token) {
         const size_t nslots = 2 * N + 1;
-        const float sentinel = 1e30f;
-        float *pool = (float *)malloc(nslots * sslot * sizeof(float));
-        int32_t *slots = (int32_t *)malloc(N * sizeof(int32_t));
-        float *got = NULL, *fin = (float *)malloc(ns * sizeof(float) + 1);
-        if (!pool || !slots || !fin) {
-            fail_msg("pool", "out of host memory");
-            free(pool), free(slots), free(fin);
-            goto done;
-        }
-        for (size_t i = 0; i < nslots * sslot; i++) pool[i] = sentinel;
-        for (size_t n = 0; n < N; n++) {
-            slots[n] = (int32_t)(2 * n + 1);
-            for (size_t i = 0; i < sslot; i++) pool[(2 * n + 1) * sslot + i] = c.h0 ? c.h0[n * sslot + i] : 0.0f;
-        }
+        float *pool;
+        int32_t *slots;
+        if (pool_of(&c, N, sslot, &pool, &slots)) goto done;
         kda_inputs pin = in;
         pin.h0 = NULL;
         kda_recurrent_io io;
@@ -477,20 +535,10 @@ int main(int argc, char **argv)
         io.slots_host = slots;
         if (!err && (!io.state_pool || !io.slots)) fail_msg("to_device", dev_error), err = 1;
         if (!err && api("kda_recurrent_fwd(pool)", kda_recurrent_fwd(g_ctx, &p, &pin, &io)) == 0) {
-            compare("o(pool)", c.o, io.o, nv, dtype, tol);
-            got = download(io.state_pool, nslots * sslot, KDA_F32);
-            if (got) {
-                for (size_t n = 0; n < N; n++) memcpy(fin + n * sslot, got + (2 * n + 1) * sslot, sslot * sizeof(float));
-                if (c.ht) report("ht(pool)", kda_err_ratio(c.ht, fin, ns), tol);
-                size_t changed = 0;
-                for (size_t s = 0; s < nslots; s += 2)
-                    for (size_t i = 0; i < sslot; i++)
-                        if (memcmp(&got[s * sslot + i], &sentinel, sizeof(float)) != 0) changed++;
-                /* the "error" here is the number of values changed in slots no sequence names */
-                report("pool(untouched slots)", (double)changed, 0.0);
-            }
+            compare("o(recurrent pool)", c.o, io.o, nv, dtype, tol);
+            pool_check("(recurrent pool)", &c, io.state_pool, N, sslot, tol);
         }
-        free(pool), free(slots), free(fin), free(got);
+        free(pool), free(slots);
     }
 
 done:

@@ -112,16 +112,19 @@ static void env_reset(env *e, int mode) {
         e->in.h0 = NULL;
         e->ro.ht = NULL;
         e->ro.state_pool = POOL; e->ro.slots = e->slots; e->ro.num_slots = NUM_SLOTS;
+        e->fo.ht = NULL; e->fo.saved = NULL;
+        e->fo.state_pool = POOL; e->fo.slots = e->slots; e->fo.num_slots = NUM_SLOTS;
     }
 }
 
-enum { OP_F = 1, OP_B = 2, OP_R = 4, OP_P = 8, OP_FB = OP_F | OP_B, OP_FBR = OP_F | OP_B | OP_R };
+/* OP_P, OP_PF: the pool forms (MODE_POOL) of kda_recurrent_fwd and kda_chunk_fwd */
+enum { OP_F = 1, OP_B = 2, OP_R = 4, OP_P = 8, OP_PF = 16, OP_FB = OP_F | OP_B, OP_FBR = OP_F | OP_B | OP_R, OP_POOLS = OP_P | OP_PF };
 static const char *op_name(int op) {
     return op == OP_F ? "kda_chunk_fwd" : op == OP_B ? "kda_chunk_bwd" : op == OP_R ? "kda_recurrent_fwd"
-                                                                                   : "kda_recurrent_fwd (pool)";
+                                                   : op == OP_P ? "kda_recurrent_fwd (pool)" : "kda_chunk_fwd (pool)";
 }
 static kda_status call_op(kda_context *ctx, int op, env *e) {
-    if (op == OP_F) return kda_chunk_fwd(ctx, &e->p, &e->in, &e->fo);
+    if (op == OP_F || op == OP_PF) return kda_chunk_fwd(ctx, &e->p, &e->in, &e->fo);
     if (op == OP_B) return kda_chunk_bwd(ctx, &e->p, &e->in, &e->bo);
     return kda_recurrent_fwd(ctx, &e->p, &e->in, &e->ro);
 }
@@ -178,7 +181,8 @@ enum {
     M_VARLEN_B2, M_NSEQ_NEG, M_NSEQ_NO_CU, M_CU_NO_NSEQ, M_CU_START, M_CU_START64, M_CU_DEC, M_CU_DEC64,
     M_CU_END, M_CU_END64, M_SEQTYPE3,
     M_DOUT_NULL, M_DALOG_GATE_NONE, M_DALOG_NO_ALOG, M_DDTB_NO_DTB, M_DDTB_GATE_NONE,
-    M_SLOT_BIG, M_SLOT_DUP, M_POOL_H0, M_POOL_HT, M_SLOTS_NO_POOL, M_POOL_NO_SLOTS, M_NUM_SLOTS0
+    M_SLOT_BIG, M_SLOT_DUP, M_POOL_H0, M_POOL_HT, M_POOL_SAVED, M_SLOTS_NO_POOL, M_POOL_NO_SLOTS, M_NUM_SLOTS0,
+    M_POOL_DTYPE_F16, M_DTYPE_NO_POOL
 };
 
 static void mutate(env *e, int m) {
@@ -242,10 +246,13 @@ static void mutate(env *e, int m) {
     case M_SLOT_BIG: e->slots[0] = NUM_SLOTS; break;
     case M_SLOT_DUP: e->slots[0] = 1; e->slots[1] = 1; break;
     case M_POOL_H0: e->in.h0 = I.h0; break;
-    case M_POOL_HT: e->ro.ht = HT; break;
-    case M_SLOTS_NO_POOL: e->ro.state_pool = NULL; break;
-    case M_POOL_NO_SLOTS: e->ro.slots = NULL; break;
-    case M_NUM_SLOTS0: e->ro.num_slots = 0; break;
+    case M_POOL_HT: e->ro.ht = HT; e->fo.ht = HT; break;
+    case M_POOL_SAVED: e->fo.saved = SAVED; break;
+    case M_SLOTS_NO_POOL: e->ro.state_pool = NULL; e->fo.state_pool = NULL; break;
+    case M_POOL_NO_SLOTS: e->ro.slots = NULL; e->fo.slots = NULL; break;
+    case M_NUM_SLOTS0: e->ro.num_slots = 0; e->fo.num_slots = 0; break;
+    case M_POOL_DTYPE_F16: e->ro.state_dtype = KDA_F16; e->fo.state_dtype = KDA_F16; break;
+    case M_DTYPE_NO_POOL: e->ro.state_dtype = KDA_BF16; e->fo.state_dtype = KDA_BF16; break;
     }
 }
 
@@ -309,13 +316,16 @@ static const ecase CASES[] = {
     {"bwd_dA_log_without_A_log_is_rejected", M_DALOG_NO_ALOG, MODE_FIXED, OP_B, INV, "w:dA_log|w:A_log"},
     {"bwd_ddt_bias_without_dt_bias_is_rejected", M_DDTB_NO_DTB, MODE_FIXED, OP_B, INV, "w:ddt_bias|w:dt_bias"},
     {"bwd_ddt_bias_with_gate_none_is_rejected", M_DDTB_GATE_NONE, MODE_FIXED, OP_B, INV, "w:ddt_bias"},
-    {"pool_slot_past_num_slots_is_rejected", M_SLOT_BIG, MODE_POOL, OP_P, INV, "slots[0]=3|num_slots=3"},
-    {"pool_two_sequences_on_one_slot_is_rejected", M_SLOT_DUP, MODE_POOL, OP_P, INV, "slots[1]"},
-    {"pool_with_h0_is_rejected", M_POOL_H0, MODE_POOL, OP_P, INV, "w:h0"},
-    {"pool_with_ht_is_rejected", M_POOL_HT, MODE_POOL, OP_P, INV, "w:ht"},
-    {"slots_without_pool_is_rejected", M_SLOTS_NO_POOL, MODE_POOL, OP_P, INV, "w:slots|state_pool"},
-    {"pool_without_slots_is_rejected", M_POOL_NO_SLOTS, MODE_POOL, OP_P, INV, "w:slots"},
-    {"pool_num_slots_0_is_rejected", M_NUM_SLOTS0, MODE_POOL, OP_P, INV, "num_slots=0"},
+    {"pool_slot_past_num_slots_is_rejected", M_SLOT_BIG, MODE_POOL, OP_POOLS, INV, "slots[0]=3|num_slots=3"},
+    {"pool_two_sequences_on_one_slot_is_rejected", M_SLOT_DUP, MODE_POOL, OP_POOLS, INV, "slots[1]"},
+    {"pool_with_h0_is_rejected", M_POOL_H0, MODE_POOL, OP_POOLS, INV, "w:h0"},
+    {"pool_with_ht_is_rejected", M_POOL_HT, MODE_POOL, OP_POOLS, INV, "w:ht"},
+    {"pool_with_saved_is_rejected", M_POOL_SAVED, MODE_POOL, OP_PF, INV, "w:saved|backward"},
+    {"slots_without_pool_is_rejected", M_SLOTS_NO_POOL, MODE_POOL, OP_POOLS, INV, "w:slots|state_pool"},
+    {"pool_without_slots_is_rejected", M_POOL_NO_SLOTS, MODE_POOL, OP_POOLS, INV, "w:slots"},
+    {"pool_num_slots_0_is_rejected", M_NUM_SLOTS0, MODE_POOL, OP_POOLS, INV, "num_slots=0"},
+    {"pool_state_dtype_f16_is_rejected", M_POOL_DTYPE_F16, MODE_POOL, OP_POOLS, INV, "state_dtype=f16"},
+    {"state_dtype_without_pool_is_rejected", M_DTYPE_NO_POOL, MODE_FIXED, OP_F | OP_R, INV, "w:state_dtype|w:h0"},
 };
 #define NCASES ((int)(sizeof CASES / sizeof CASES[0]))
 
@@ -334,10 +344,10 @@ static void test_base_problems_are_accepted_and_write_their_outputs(void) {
     int mi, op;
     t_current = "test_base_problems_are_accepted_and_write_their_outputs";
     for (mi = 0; mi < 3; mi++)
-        for (op = 1; op <= OP_P; op <<= 1) {
+        for (op = 1; op <= OP_PF; op <<= 1) {
             env e;
             kda_status s;
-            if ((modes[mi] == MODE_POOL) != (op == OP_P)) continue;
+            if ((modes[mi] == MODE_POOL) != ((op & OP_POOLS) != 0)) continue;
             env_reset(&e, modes[mi]);
             poison_all();
             s = call_op(ctx, op, &e);
@@ -355,7 +365,7 @@ static void test_bad_inputs_return_status_and_message_and_write_nothing(void) {
     int ci, op;
     for (ci = 0; ci < NCASES; ci++) {
         t_current = CASES[ci].name;
-        for (op = 1; op <= OP_P; op <<= 1) {
+        for (op = 1; op <= OP_PF; op <<= 1) {
             env e;
             char what[160];
             kda_status s;
@@ -522,10 +532,10 @@ static void test_success_after_failure_clears_last_error(void) {
     kda_context *ctx = t_cpu();
     int op;
     t_current = "test_success_after_failure_clears_last_error";
-    for (op = 1; op <= OP_P; op <<= 1) {
+    for (op = 1; op <= OP_PF; op <<= 1) {
         env e;
         kda_status s;
-        env_reset(&e, op == OP_P ? MODE_POOL : MODE_FIXED);
+        env_reset(&e, op & OP_POOLS ? MODE_POOL : MODE_FIXED);
         e.p.K = 257;
         s = call_op(ctx, op, &e);
         CHECK(s != KDA_OK && kda_last_error(ctx)[0] != 0, "%s with K=257: status %s, message \"%s\"", op_name(op),

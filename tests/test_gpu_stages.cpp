@@ -708,6 +708,108 @@ static void run_fused_exact_split_with_a_lead() {
     unsetenv("KDA_SPLIT"); unsetenv("KDA_LEAD");
 }
 
+// The chunked forward's pool form (serving prefill) is its plain form with h0 read from the
+// slots and ht written into them: o and every named slot bit for bit, on every path (the CPU,
+// the fused kernels whole or split, the staged kernels), with an fp32 pool and a bf16 one (its
+// plain twin starts from the pool's values and its ht is rounded once). Sequence 1 is padding
+// (slot -1): it runs from zeros. Slots no sequence names keep their bits.
+static void run_chunk_fwd_pool_form(const Cfg &cf, const char *segments, const char *bv) {
+    kda_context *cpu = t_cpu();
+    t_inst I;
+    t_current = "chunk_fwd_pool_form";
+    t_inst_init(&I, &cf.p, cf.cu.empty() ? NULL : cf.cu.data(), 1, 0);
+    const kda_problem &p = I.p;
+    const int N = kda_num_seqs(&p), nslots = 2 * N + 2;
+    const size_t sl = (size_t)p.HV * p.K * p.V, ob = I.nv * kda_dtype_size(p.dtype);
+    std::vector<int32_t> slots(N);
+    std::vector<int> seq_of(nslots, -1); // the sequence a slot holds (-1: none)
+    for (int n = 0; n < N; n++) {
+        slots[n] = n == 1 ? -1 : 2 * (N - 1 - n) + 1; // (the slots in reverse order)
+        if (slots[n] >= 0) seq_of[slots[n]] = n;
+    }
+    DevIn X;
+    dev_inputs(X, I);
+    void *slots_d = dup(slots.data(), slots.size() * 4);
+    setenv("KDA_SEGMENTS", segments, 1);
+    setenv("KDA_FUSED_BV", bv, 1);
+    for (kda_dtype dt : {KDA_F32, KDA_BF16}) {
+        const size_t es = kda_dtype_size(dt);
+        // the pool: a named slot holds its sequence's h0 (in the pool's dtype), the others 1e30
+        std::vector<unsigned char> pool0((size_t)nslots * sl * es);
+        std::vector<float> h0((size_t)N * sl, 0.0f); // the plain twin's start: the pool's values, zeros for padding
+        for (int s = 0; s < nslots; s++)
+            for (size_t i = 0; i < sl; i++) {
+                const int n = seq_of[s];
+                kda__st(pool0.data(), dt, s * sl + i, n >= 0 ? I.h0[n * sl + i] : 1e30f);
+                if (n >= 0) h0[n * sl + i] = kda__ld(pool0.data(), dt, s * sl + i);
+            }
+        const void *h0_d = dup(h0.data(), h0.size() * 4);
+        for (int side = 0; side < 3; side++) { /* CPU, device fused, device staged */
+            kda_context *ctx = side ? g_dev : cpu;
+            setenv("KDA_FUSED", side == 2 ? "0" : "1", 1);
+            std::vector<unsigned char> o_plain(ob), o_pool(ob), pool(pool0);
+            std::vector<float> ht((size_t)N * sl);
+            void *od = side ? dalloc(ob) : NULL, *htd = side ? dalloc(ht.size() * 4) : NULL;
+            void *pd = side ? dup(pool0.data(), pool0.size()) : NULL;
+            kda_inputs in = side ? X.dev : X.host;
+            kda_fwd_outputs out;
+            memset(&out, 0, sizeof out);
+            in.h0 = side ? (const float *)h0_d : h0.data();
+            out.o = side ? od : o_plain.data();
+            out.ht = side ? (float *)htd : ht.data();
+#ifdef KDA_TEST_EMU
+            const int fused_before = emu_fused;
+#endif
+            const size_t wsp = kda_fwd_workspace_size(&p); // (a caller's workspace bounds the fused forward's pieces)
+            if (side) kda_set_workspace(g_dev, dalloc(wsp), wsp);
+            CHECK(kda_chunk_fwd(ctx, &p, &in, &out) == KDA_OK, "%s: plain fwd (side %d): %s", cf.name, side, kda_last_error(ctx));
+            if (side) down(o_plain.data(), od, ob), down(ht.data(), htd, ht.size() * 4), dpoison(od, ob);
+            in.h0 = NULL;
+            out.o = side ? od : o_pool.data();
+            out.ht = NULL;
+            out.state_pool = (float *)(side ? pd : (void *)pool.data());
+            out.slots = side ? (const int32_t *)slots_d : slots.data();
+            out.slots_host = slots.data();
+            out.num_slots = nslots;
+            out.state_dtype = dt;
+            // a workspace of the size kda.h documents for the pool form (the states' fp32 copy
+            // more than the plain form's, which then leaves the fused forward's plan as it was)
+            const size_t wsn = kda_fwd_workspace_size(&p) + (size_t)N * sl * 4 + 256;
+            if (side) kda_set_workspace(g_dev, dalloc(wsn), wsn);
+            CHECK(kda_chunk_fwd(ctx, &p, &in, &out) == KDA_OK, "%s: pool fwd (side %d): %s", cf.name, side, kda_last_error(ctx));
+            if (side) kda_set_workspace(g_dev, NULL, 0);
+            if (side) down(o_pool.data(), od, ob), down(pool.data(), pd, pool.size());
+#ifdef KDA_TEST_EMU
+            CHECK(side != 1 || emu_fused >= fused_before + 2, "%s: the fused kernel did not run", cf.name);
+            CHECK(side != 2 || emu_fused == fused_before, "%s: KDA_FUSED=0 ran the fused kernel", cf.name);
+#endif
+            CHECK(!memcmp(o_plain.data(), o_pool.data(), ob), "%s (segments %s, bv %s, %s pool, side %d): o differs from the plain form's",
+                  cf.name, segments, bv, kda_dtype_name(dt), side);
+            size_t bad_named = 0, bad_other = 0;
+            for (int s = 0; s < nslots; s++)
+                for (size_t i = 0; i < sl; i++) {
+                    const size_t e = s * sl + i;
+                    const int n = seq_of[s];
+                    std::vector<unsigned char> want(es);
+                    if (n >= 0) kda__st(want.data(), dt, 0, ht[n * sl + i]);
+                    else memcpy(want.data(), &pool0[e * es], es);
+                    if (memcmp(want.data(), &pool[e * es], es)) (n >= 0 ? bad_named : bad_other)++;
+                }
+            CHECK(bad_named == 0, "%s (segments %s, bv %s, %s pool, side %d): %zu values of the named slots are not ht's", cf.name,
+                  segments, bv, kda_dtype_name(dt), side, bad_named);
+            CHECK(bad_other == 0, "%s (segments %s, bv %s, %s pool, side %d): %zu values changed in slots no sequence names",
+                  cf.name, segments, bv, kda_dtype_name(dt), side, bad_other);
+        }
+    }
+    unsetenv("KDA_FUSED");
+    unsetenv("KDA_SEGMENTS");
+    unsetenv("KDA_FUSED_BV");
+    printf("  %s segments=%s bv=%s: pool form\n", cf.name, segments, bv);
+    dfree_all();
+    t_inst_free(&I);
+    kda_context_destroy(cpu);
+}
+
 // A NaN in g (one value, row 20) or in A_log stays NaN in the fused forward's o, as on the
 // CPU: the log decay's floor and the bounds on exp(A_log) keep NaN (max.NaN, min.NaN), where
 // fmaxf would turn a NaN gate into a decay and hide the bad input. Rows 0-15 (before the
@@ -1819,6 +1921,13 @@ int main(int argc, char **argv) {
                 if (gate != GATE_WIDE) run_fused(cf, "2", gate, "64"), run_fused(cf, "3", gate, "128"); // varlen: sequences of 1, 2 and 3 segments, an empty one
             }
         if (!race) run_fused_keeps_nan();
+        if (!race) { // the pool form: fixed lengths (bounded split where segments > 1), varlen with an empty sequence (vk)
+            std::vector<Cfg> fc = fused_configs();
+            fc[0].p.B = 3; // (B3: two named slots around the padding)
+            run_chunk_fwd_pool_form(fc[0], "1", "64");
+            run_chunk_fwd_pool_form(fc[0], "3", "128");
+            if (every) run_chunk_fwd_pool_form(fc[1], "1", "128"), run_chunk_fwd_pool_form(fc[1], "3", "64");
+        }
         if (every) run_fused_exact_split_with_a_lead(); // (clusters of two 512-thread blocks, slow under the sanitizers)
         // the bounded split: 64 columns, fixed lengths (K = 100: fetched element by element) and varlen
         if (!race) run_fused_bounded_split(100, LATE_NONE, false);
