@@ -34,7 +34,9 @@
  * --device gpu: the shapes of ANCHORS.md (same inputs and options as the CPU) and
  * decode (one token per sequence, N = 1, 32, 256 sequences, H = 32, K = V = 128,
  * the fp32 state in a pool of N slots updated in place; --decode-n one N, --pool-dtype bf16
- * a bf16 pool). All buffers are device
+ * a bf16 pool). --state pool: the forward in its pool form too (prefill into a state pool of N
+ * slots, slot n for sequence n, fp32 or --pool-dtype's; its lines say "state":"pool"), not from
+ * h0 into ht. All buffers are device
  * memory (kda_malloc) with one workspace set up front. --shape B,T,H,K,V times that
  * one shape instead (profiling). Timing: CUDA events on the
  * default stream (the stream kda uses unless kda_set_stream says otherwise), 2
@@ -114,7 +116,8 @@ static const shape gpu_shapes[] = {
 };
 static const int decode_N[] = {1, 32, 256};
 static int g_decode_n;     /* --decode-n: this one N instead of decode_N */
-static int g_pool_bf16;    /* --pool-dtype bf16: the decode pool in bf16 */
+static int g_pool_bf16;    /* --pool-dtype bf16: the decode pool (and --state pool's) in bf16 */
+static int g_fwd_pool;     /* --state pool: the forward in its pool form */
 #define DECODE_H 32
 #define DECODE_D 128
 
@@ -607,6 +610,9 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
         snprintf(extra_fields + strlen(extra_fields), sizeof extra_fields - strlen(extra_fields), ",\"g_dtype\":\"%s\"",
                  kda_dtype_name(g_dtype));
     }
+    if (g_fwd_pool)
+        snprintf(extra_fields + strlen(extra_fields), sizeof extra_fields - strlen(extra_fields),
+                 ",\"state\":\"pool\",\"state_dtype\":\"%s\"", g_pool_bf16 ? "bf16" : "f32");
     if (kimi) p.gate = KDA_GATE_SOFTPLUS;
     if (lb5) p.gate = KDA_GATE_LOWER_BOUND, p.lower_bound = -5.0;
     kda_status st = kda_problem_check(ctx, &p);
@@ -640,6 +646,29 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
         return;
     }
     in.cu_seqlens_host = s->cu_seqlens;
+    kda_inputs fin = in; /* the forward's: in.h0 stays the backward's */
+    int32_t *slots_h = NULL;
+    if (g_fwd_pool) { /* the pool form: slot n for sequence n, h0's values (bf16: rounded) */
+        const size_t sb = g_pool_bf16 ? 2 : 4;
+        void *ph = tile(pool_randn_f32, n_state, 4);
+        slots_h = xmalloc(N * sizeof(int32_t));
+        if (g_pool_bf16)
+            for (size_t i = 0; i < n_state; i++) ((uint16_t *)ph)[i] = kda_f32_to_bf16(((float *)ph)[i]);
+        for (size_t n = 0; n < N; n++) slots_h[n] = (int32_t)n;
+        out.state_pool = dalloc(ctx, &b, n_state * sb, ph);
+        out.slots = dalloc(ctx, &b, N * sizeof(int32_t), slots_h);
+        out.slots_host = slots_h;
+        out.num_slots = (int)N;
+        out.state_dtype = g_pool_bf16 ? KDA_BF16 : KDA_F32;
+        fin.h0 = NULL, out.ht = NULL;
+        free(ph);
+        if (!out.state_pool || !out.slots) {
+            gpu_error_line("fwd", s, extra_fields);
+            dfree_all(ctx, &b);
+            free(slots_h);
+            return;
+        }
+    }
     if (g_gate) { /* raw g = randn (above); Kimi Linear's decay rates, or (lb5) A = 1 and a bias of 3 */
         float *a = xmalloc((size_t)p.HV * 4), *dtb = xmalloc((size_t)p.HV * p.K * 4);
         for (int i = 0; i < p.HV; i++) a[i] = lb5 ? 0.0f : (float)log(1.0 + 15.0 * urand());
@@ -659,7 +688,7 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
     double flops = fwd_flops(&p, s->cu_seqlens), med, mn;
     double in_bytes = 2.0 * n_qk * 2 + n_v * 2.0 + (double)n_g * g_es + n_beta * 2.0; /* q, k, v, g, beta */
     if (strstr(g_ops, "fwd")) {
-        if (gpu_time(ctx, run_fwd, "kda_chunk_fwd", &p, &in, &out, reps, &med, &mn) == 0)
+        if (gpu_time(ctx, run_fwd, "kda_chunk_fwd", &p, &fin, &out, reps, &med, &mn) == 0)
             gpu_print("fwd", s, med, mn, flops, in_bytes + n_v * 2.0, peak_gbps, FLOP_MODEL, BYTES_MODEL_FWD, extra_fields);
         else
             gpu_error_line("fwd", s, extra_fields);
@@ -680,6 +709,7 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
     }
     kda_set_workspace(ctx, NULL, 0);
     dfree_all(ctx, &b);
+    free(slots_h);
 }
 
 /* Decode: N sequences of one token (B = N, T = 1), H = 32, K = V = 128, the
@@ -1053,7 +1083,8 @@ static int usage(void)
                     "                 [--dtype bf16|f16]    (q, k, v, beta, o; default bf16)\n"
                     "                 [--g-dtype f32|act]   (gpu: g in fp32, or in --dtype's dtype; default f32)\n"
                     "                 [--decode-n N]        (gpu: decode N sequences only, not 1, 32 and 256)\n"
-                    "                 [--pool-dtype f32|bf16] (gpu: the decode state pool's dtype; default f32)\n"
+                    "                 [--pool-dtype f32|bf16] (gpu: the state pool's dtype; default f32)\n"
+                    "                 [--state pool]        (gpu: the forward in its pool form, slot n for sequence n)\n"
                     "       kda-bench --jit [--arch sm_90a] [--threads N]\n");
     return 1;
 }
@@ -1083,6 +1114,10 @@ int main(int argc, char **argv)
         }
         else if (!strcmp(a, "--decode-n")) {
             if ((g_decode_n = atoi(val)) < 1) return usage();
+        }
+        else if (!strcmp(a, "--state")) {
+            if (strcmp(val, "pool")) return usage();
+            g_fwd_pool = 1;
         }
         else if (!strcmp(a, "--pool-dtype")) {
             if (strcmp(val, "f32") && strcmp(val, "bf16")) return usage();
