@@ -272,21 +272,31 @@ static int usage(void)
  * zeros), and the even slots hold a sentinel that no call may change. */
 static const float pool_sentinel = 1e30f;
 
-/* The pool (host) and slots; 0 on success. */
-static int pool_of(const kda_case *c, size_t N, size_t sslot, float **pool, int32_t **slots)
+/* The pool and its slots on the backend (*pool_d, *slots_d: the caller frees them) and the
+ * slots' host copy (*slots: malloc'd); 0 on success. */
+static int pool_of(const kda_case *c, size_t N, size_t sslot, void **pool_d, void **slots_d, int32_t **slots)
 {
     const size_t nslots = 2 * N + 1;
-    *pool = (float *)malloc(nslots * sslot * sizeof(float));
+    float *pool = (float *)malloc(nslots * sslot * sizeof(float));
     *slots = (int32_t *)malloc(N * sizeof(int32_t) + 1);
-    if (!*pool || !*slots) {
+    *pool_d = *slots_d = NULL;
+    if (!pool || !*slots) {
         fail_msg("pool", "out of host memory");
-        free(*pool), free(*slots);
+        free(pool), free(*slots);
+        *slots = NULL;
         return -1;
     }
-    for (size_t i = 0; i < nslots * sslot; i++) (*pool)[i] = pool_sentinel;
+    for (size_t i = 0; i < nslots * sslot; i++) pool[i] = pool_sentinel;
     for (size_t n = 0; n < N; n++) {
         (*slots)[n] = (int32_t)(2 * n + 1);
-        for (size_t i = 0; i < sslot; i++) (*pool)[(2 * n + 1) * sslot + i] = c->h0 ? c->h0[n * sslot + i] : 0.0f;
+        for (size_t i = 0; i < sslot; i++) pool[(2 * n + 1) * sslot + i] = c->h0 ? c->h0[n * sslot + i] : 0.0f;
+    }
+    *pool_d = to_device(g_ctx, pool, nslots * sslot * sizeof(float));
+    *slots_d = to_device(g_ctx, *slots, N * sizeof(int32_t));
+    free(pool);
+    if (!*pool_d || !*slots_d) {
+        fail_msg("to_device", dev_error);
+        return -1;
     }
     return 0;
 }
@@ -438,24 +448,24 @@ int main(int argc, char **argv)
 
     /* ---- chunked forward, pool form (serving prefill): h0 from the slots, ht into them ---- */
     {
-        float *pool;
+        void *pool_d, *slots_d;
         int32_t *slots;
-        if (pool_of(&c, N, sslot, &pool, &slots)) goto done;
+        err |= pool_of(&c, N, sslot, &pool_d, &slots_d, &slots) != 0;
+        KEEP(pool_d), KEEP(slots_d);
         kda_inputs pin = in;
         pin.h0 = NULL;
         kda_fwd_outputs pout;
         memset(&pout, 0, sizeof pout);
         pout.o = KEEP(alloc_out(nv, dtype, &err));
-        pout.state_pool = (float *)KEEP(to_device(g_ctx, pool, (2 * N + 1) * sslot * sizeof(float)));
-        pout.slots = (const int32_t *)KEEP(to_device(g_ctx, slots, N * sizeof(int32_t)));
+        pout.state_pool = (float *)pool_d;
+        pout.slots = (const int32_t *)slots_d;
         pout.num_slots = (int)(2 * N + 1);
         pout.slots_host = slots;
-        if (!err && (!pout.state_pool || !pout.slots)) fail_msg("to_device", dev_error), err = 1;
         if (!err && api("kda_chunk_fwd(pool)", kda_chunk_fwd(g_ctx, &p, &pin, &pout)) == 0) {
             compare("o(pool)", c.o, pout.o, nv, dtype, tol);
             pool_check("(pool)", &c, pout.state_pool, N, sslot, tol);
         }
-        free(pool), free(slots);
+        free(slots);
         if (err) goto done;
     }
 
@@ -520,25 +530,24 @@ int main(int argc, char **argv)
     for (size_t n = 0; c.cu_seqlens && n < N; n++)
         if (c.cu_seqlens[n + 1] - c.cu_seqlens[n] != 1) one_token = 0;
     if (one_token) {
-        const size_t nslots = 2 * N + 1;
-        float *pool;
+        void *pool_d, *slots_d;
         int32_t *slots;
-        if (pool_of(&c, N, sslot, &pool, &slots)) goto done;
+        err |= pool_of(&c, N, sslot, &pool_d, &slots_d, &slots) != 0;
+        KEEP(pool_d), KEEP(slots_d);
         kda_inputs pin = in;
         pin.h0 = NULL;
         kda_recurrent_io io;
         memset(&io, 0, sizeof io);
         io.o = KEEP(alloc_out(nv, dtype, &err));
-        io.state_pool = (float *)KEEP(to_device(g_ctx, pool, nslots * sslot * sizeof(float)));
-        io.slots = (const int32_t *)KEEP(to_device(g_ctx, slots, N * sizeof(int32_t)));
-        io.num_slots = (int)nslots;
+        io.state_pool = (float *)pool_d;
+        io.slots = (const int32_t *)slots_d;
+        io.num_slots = (int)(2 * N + 1);
         io.slots_host = slots;
-        if (!err && (!io.state_pool || !io.slots)) fail_msg("to_device", dev_error), err = 1;
         if (!err && api("kda_recurrent_fwd(pool)", kda_recurrent_fwd(g_ctx, &p, &pin, &io)) == 0) {
             compare("o(recurrent pool)", c.o, io.o, nv, dtype, tol);
             pool_check("(recurrent pool)", &c, io.state_pool, N, sslot, tol);
         }
-        free(pool), free(slots);
+        free(slots);
     }
 
 done:
