@@ -272,55 +272,79 @@ static int usage(void)
  * zeros), and the even slots hold a sentinel that no call may change. */
 static const float pool_sentinel = 1e30f;
 
-/* The pool and its slots on the backend (*pool_d, *slots_d: the caller frees them) and the
- * slots' host copy (*slots: malloc'd); 0 on success. */
-static int pool_of(const kda_case *c, size_t N, size_t sslot, void **pool_d, void **slots_d, int32_t **slots)
+/* The pool on the host: sequence n's state (h0, or zeros) in slot 2n + 1, the sentinel elsewhere */
+static float *pool_host(const kda_case *c, size_t N, size_t sslot)
 {
     const size_t nslots = 2 * N + 1;
     float *pool = (float *)malloc(nslots * sslot * sizeof(float));
-    *slots = (int32_t *)malloc(N * sizeof(int32_t) + 1);
-    *pool_d = *slots_d = NULL;
-    if (!pool || !*slots) {
-        fail_msg("pool", "out of host memory");
-        free(pool), free(*slots);
-        *slots = NULL;
-        return -1;
-    }
+    if (!pool) return NULL;
     for (size_t i = 0; i < nslots * sslot; i++) pool[i] = pool_sentinel;
-    for (size_t n = 0; n < N; n++) {
-        (*slots)[n] = (int32_t)(2 * n + 1);
+    for (size_t n = 0; n < N; n++)
         for (size_t i = 0; i < sslot; i++) pool[(2 * n + 1) * sslot + i] = c->h0 ? c->h0[n * sslot + i] : 0.0f;
-    }
-    *pool_d = to_device(g_ctx, pool, nslots * sslot * sizeof(float));
-    *slots_d = to_device(g_ctx, *slots, N * sizeof(int32_t));
-    free(pool);
-    if (!*pool_d || !*slots_d) {
-        fail_msg("to_device", dev_error);
-        return -1;
-    }
-    return 0;
+    return pool;
 }
 
-/* The pool on the backend after a call (sfx names it): the named slots against the case's ht,
- * and the number of values changed in the others, which must be 0. */
-static void pool_check(const char *sfx, const kda_case *c, const void *pool_dev, size_t N, size_t sslot, double tol)
+/* An operation's pool form on a fresh pool (recurrent: kda_recurrent_fwd, else kda_chunk_fwd),
+ * checked against the case: o, the named slots against ht, and the number of values changed in
+ * the other slots, which must be 0. 0 on success (the checks may still fail). */
+static int pool_run(int recurrent, const kda_case *c, const kda_problem *p, kda_inputs in, size_t N, size_t sslot, size_t nv,
+                    double tol)
 {
     const size_t nslots = 2 * N + 1;
+    const char *sfx = recurrent ? "(recurrent pool)" : "(pool)";
     char name[64];
-    float *got = download(pool_dev, nslots * sslot, KDA_F32), *fin = (float *)malloc(N * sslot * sizeof(float) + 1);
-    if (got && fin) {
-        for (size_t n = 0; n < N; n++) memcpy(fin + n * sslot, got + (2 * n + 1) * sslot, sslot * sizeof(float));
-        snprintf(name, sizeof name, "ht%s", sfx);
-        if (c->ht) report(name, kda_err_ratio(c->ht, fin, N * sslot), tol);
-        size_t changed = 0;
-        for (size_t s = 0; s < nslots; s += 2)
-            for (size_t i = 0; i < sslot; i++)
-                if (memcmp(&got[s * sslot + i], &pool_sentinel, sizeof(float)) != 0) changed++;
-        /* the "error" here is the number of values changed in slots no sequence names */
-        snprintf(name, sizeof name, "untouched slots%s", sfx);
-        report(name, (double)changed, 0.0);
+    float *pool = pool_host(c, N, sslot), *got = NULL, *fin = (float *)malloc(N * sslot * sizeof(float) + 1);
+    int32_t *slots = (int32_t *)malloc(N * sizeof(int32_t) + 1);
+    void *pool_d = NULL, *slots_d = NULL, *o = NULL;
+    int rc = -1;
+    if (!pool || !fin || !slots) {
+        fail_msg("pool", "out of host memory");
+        goto out;
     }
-    free(got), free(fin);
+    for (size_t n = 0; n < N; n++) slots[n] = (int32_t)(2 * n + 1);
+    pool_d = to_device(g_ctx, pool, nslots * sslot * sizeof(float));
+    slots_d = to_device(g_ctx, slots, N * sizeof(int32_t));
+    o = to_device(g_ctx, NULL, nv * kda_dtype_size(p->dtype));
+    if (!pool_d || !slots_d || !o) {
+        fail_msg("to_device", dev_error);
+        goto out;
+    }
+    in.h0 = NULL;
+    kda_status st;
+    if (recurrent) {
+        kda_recurrent_io io;
+        memset(&io, 0, sizeof io);
+        io.o = o, io.state_pool = (float *)pool_d, io.slots = (const int32_t *)slots_d;
+        io.num_slots = (int)nslots, io.slots_host = slots;
+        st = kda_recurrent_fwd(g_ctx, p, &in, &io);
+    } else {
+        kda_fwd_outputs out;
+        memset(&out, 0, sizeof out);
+        out.o = o, out.state_pool = (float *)pool_d, out.slots = (const int32_t *)slots_d;
+        out.num_slots = (int)nslots, out.slots_host = slots;
+        st = kda_chunk_fwd(g_ctx, p, &in, &out);
+    }
+    rc = 0;
+    if (api(recurrent ? "kda_recurrent_fwd(pool)" : "kda_chunk_fwd(pool)", st) != 0) goto out;
+    snprintf(name, sizeof name, "o%s", sfx);
+    compare(name, c->o, o, nv, p->dtype, tol);
+    if (!(got = download(pool_d, nslots * sslot, KDA_F32))) goto out;
+    for (size_t n = 0; n < N; n++) memcpy(fin + n * sslot, got + (2 * n + 1) * sslot, sslot * sizeof(float));
+    snprintf(name, sizeof name, "ht%s", sfx);
+    if (c->ht) report(name, kda_err_ratio(c->ht, fin, N * sslot), tol);
+    size_t changed = 0;
+    for (size_t s = 0; s < nslots; s += 2)
+        for (size_t i = 0; i < sslot; i++)
+            if (memcmp(&got[s * sslot + i], &pool_sentinel, sizeof(float)) != 0) changed++;
+    /* the "error" here is the number of values changed in slots no sequence names */
+    snprintf(name, sizeof name, "untouched slots%s", sfx);
+    report(name, (double)changed, 0.0);
+out:
+    if (pool_d) dev_free(g_ctx, pool_d);
+    if (slots_d) dev_free(g_ctx, slots_d);
+    if (o) dev_free(g_ctx, o);
+    free(pool), free(fin), free(slots), free(got);
+    return rc;
 }
 
 int main(int argc, char **argv)
@@ -447,27 +471,7 @@ int main(int argc, char **argv)
     }
 
     /* ---- chunked forward, pool form (serving prefill): h0 from the slots, ht into them ---- */
-    {
-        void *pool_d, *slots_d;
-        int32_t *slots;
-        err |= pool_of(&c, N, sslot, &pool_d, &slots_d, &slots) != 0;
-        KEEP(pool_d), KEEP(slots_d);
-        kda_inputs pin = in;
-        pin.h0 = NULL;
-        kda_fwd_outputs pout;
-        memset(&pout, 0, sizeof pout);
-        pout.o = KEEP(alloc_out(nv, dtype, &err));
-        pout.state_pool = (float *)pool_d;
-        pout.slots = (const int32_t *)slots_d;
-        pout.num_slots = (int)(2 * N + 1);
-        pout.slots_host = slots;
-        if (!err && api("kda_chunk_fwd(pool)", kda_chunk_fwd(g_ctx, &p, &pin, &pout)) == 0) {
-            compare("o(pool)", c.o, pout.o, nv, dtype, tol);
-            pool_check("(pool)", &c, pout.state_pool, N, sslot, tol);
-        }
-        free(slots);
-        if (err) goto done;
-    }
+    if (pool_run(0, &c, &p, in, N, sslot, nv, tol)) goto done;
 
     /* ---- chunked backward: with the saved intermediates, then recomputing ---- */
     if (c.grad) {
@@ -529,26 +533,7 @@ int main(int argc, char **argv)
     int one_token = c.cu_seqlens == NULL ? c.T == 1 : 1;
     for (size_t n = 0; c.cu_seqlens && n < N; n++)
         if (c.cu_seqlens[n + 1] - c.cu_seqlens[n] != 1) one_token = 0;
-    if (one_token) {
-        void *pool_d, *slots_d;
-        int32_t *slots;
-        err |= pool_of(&c, N, sslot, &pool_d, &slots_d, &slots) != 0;
-        KEEP(pool_d), KEEP(slots_d);
-        kda_inputs pin = in;
-        pin.h0 = NULL;
-        kda_recurrent_io io;
-        memset(&io, 0, sizeof io);
-        io.o = KEEP(alloc_out(nv, dtype, &err));
-        io.state_pool = (float *)pool_d;
-        io.slots = (const int32_t *)slots_d;
-        io.num_slots = (int)(2 * N + 1);
-        io.slots_host = slots;
-        if (!err && api("kda_recurrent_fwd(pool)", kda_recurrent_fwd(g_ctx, &p, &pin, &io)) == 0) {
-            compare("o(recurrent pool)", c.o, io.o, nv, dtype, tol);
-            pool_check("(recurrent pool)", &c, io.state_pool, N, sslot, tol);
-        }
-        free(slots);
-    }
+    if (one_token && pool_run(1, &c, &p, in, N, sslot, nv, tol)) goto done;
 
 done:
     if (err) g_fail = 1;
