@@ -439,8 +439,8 @@ kda_status kda_l2norm_bwd(kda_context *ctx, long long rows, int D, const float *
 /* Compiles (or loads) every kernel a forward, backward and decode of p need, in
  * parallel threads, so that later calls do not wait for NVRTC. CPU: no-op. */
 kda_status kda_warmup(kda_context *ctx, const kda_problem *p);
-/* Indices (for kda_kernel_name / kda_compile_kernel) of the kernels a forward,
- * backward and decode of p use; returns how many (idx may be NULL), or -1 with
+/* Indices (for kda_kernel_name / kda_compile_kernel) of the kernels a forward (plain
+ * and pool form), backward and decode of p use; returns how many (idx may be NULL), or -1 with
  * the reason in kda_last_error when a stage has no kernel for p. */
 int kda_kernels_needed(kda_context *ctx, const kda_problem *p, int *idx, int max);
 /* The kernel table, for tools: count, names, and one kernel compiled through
@@ -3392,8 +3392,9 @@ static const kda__kdesc *kda__fused_pairs_of(const kda__kdesc *k) {
  * 128-column blocks, which Hopper runs). */
 int kda_kernels_needed(kda_context *ctx, const kda_problem *p, int *idx, int max) {
     /* the fused forward's stages last: problems it does not cover leave them out (and the
-     * bounded split, problems without the in-kernel l2norm) */
-    static const int stages[] = {0, 1, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15, 16, 17, 20, 21, 7, 8, 9, 10};
+     * bounded split, problems without the in-kernel l2norm); the pool form's copies (25, 26)
+     * with them, so that a server's first prefill into its pool compiles nothing */
+    static const int stages[] = {0, 1, 2, 3, 4, 5, 6, 11, 12, 13, 14, 15, 16, 17, 20, 21, 25, 26, 7, 8, 9, 10};
     size_t i, ns = sizeof stages / sizeof stages[0];
     int n = 0;
     if (!ctx) return -1;
