@@ -68,7 +68,9 @@ class KdaInputs(C.Structure):
 
 
 class KdaFwdOutputs(C.Structure):
-    _fields_ = [("o", C.c_void_p), ("ht", C.c_void_p), ("h", C.c_void_p), ("saved", C.c_void_p)]
+    _fields_ = [("o", C.c_void_p), ("ht", C.c_void_p), ("h", C.c_void_p), ("saved", C.c_void_p),
+                ("state_pool", C.c_void_p), ("slots", C.c_void_p), ("num_slots", C.c_int), ("slots_host", C.c_void_p),
+                ("state_dtype", C.c_int)]
 
 
 def load_lib(path):
