@@ -109,7 +109,7 @@ def check_layout(lib):
         print("warning: libkda.so has no kda_bench_layout; struct layout not checked", file=sys.stderr)
         return
     want = [C.sizeof(KdaProblem), C.sizeof(KdaInputs), C.sizeof(KdaFwdOutputs),
-            KdaProblem.seqlens_type.offset, KdaInputs.cu_seqlens_host.offset, KdaFwdOutputs.saved.offset,
+            KdaProblem.seqlens_type.offset, KdaInputs.cu_seqlens_host.offset, KdaFwdOutputs.state_dtype.offset,
             KdaProblem.scale.offset]
     got = [lib.kda_bench_layout(i) for i in range(len(want))]
     if got != want:
