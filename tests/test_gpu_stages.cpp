@@ -1667,7 +1667,10 @@ static void run_ops(const Cfg &cf) {
         const int N = kda_num_seqs(&p), nslots = 2 * N + 2;
         const size_t sl = (size_t)p.HV * p.K * p.V;
         std::vector<int32_t> slots(N);
+        std::vector<bool> named(nslots, false); // (a slot some sequence names)
         for (int n = 0; n < N; n++) slots[n] = n == 1 ? -1 : 2 * n + 1;
+        for (int n = 0; n < N; n++)
+            if (slots[n] >= 0) named[slots[n]] = true;
         std::vector<float> pool0((size_t)nslots * sl, 1e30f), poolc, poold((size_t)nslots * sl);
         /* a named slot starts from the sequence's h0, or zeros: the other slots' 1e30 would hide its errors */
         for (int n = 0; n < N; n++)
@@ -1685,23 +1688,29 @@ static void run_ops(const Cfg &cf) {
                 }
             return err_f(r.data(), y.data(), r.size());
         };
+        /* the CPU's pool pool_c and the device's pool_d, of dtype dt, through the recurrence */
+        void *slots_d = dup(slots.data(), slots.size() * 4);
+        auto run_pool = [&](void *pool_c, void *pool_d, kda_dtype dt) {
+            for (int side = 0; side < 2; side++) {
+                kda_context *ctx = side ? g_dev : cpu;
+                kda_inputs pin = side ? X.dev : X.host;
+                pin.h0 = NULL;
+                if (side) o.poison(); else memset(o.c.data(), 0x7f, o.bytes);
+                kda_recurrent_io io;
+                memset(&io, 0, sizeof io);
+                io.o = side ? o.d : (void *)o.c.data();
+                io.state_pool = (float *)(side ? pool_d : pool_c);
+                io.slots = side ? (const int32_t *)slots_d : slots.data();
+                io.slots_host = slots.data();
+                io.num_slots = nslots;
+                io.state_dtype = dt;
+                CHECK(kda_recurrent_fwd(ctx, &p, &pin, &io) == KDA_OK, "%s: %s pool on %s: %s", cf.name, kda_dtype_name(dt),
+                      side ? "device" : "cpu", kda_last_error(ctx));
+            }
+        };
         poolc = pool0;
-        void *pool_d = dup(pool0.data(), pool0.size() * 4), *slots_d = dup(slots.data(), slots.size() * 4);
-        for (int side = 0; side < 2; side++) {
-            kda_context *ctx = side ? g_dev : cpu;
-            kda_inputs pin = side ? X.dev : X.host;
-            pin.h0 = NULL;
-            if (side) o.poison(); else memset(o.c.data(), 0x7f, o.bytes);
-            kda_recurrent_io io;
-            memset(&io, 0, sizeof io);
-            io.o = side ? o.d : (void *)o.c.data();
-            io.state_pool = side ? (float *)pool_d : poolc.data();
-            io.slots = side ? (const int32_t *)slots_d : slots.data();
-            io.slots_host = slots.data();
-            io.num_slots = nslots;
-            CHECK(kda_recurrent_fwd(ctx, &p, &pin, &io) == KDA_OK, "%s: pool on %s: %s", cf.name, side ? "device" : "cpu",
-                  kda_last_error(ctx));
-        }
+        void *pool_d = dup(pool0.data(), pool0.size() * 4);
+        run_pool(poolc.data(), pool_d, KDA_F32);
         o.fetch();
         down(poold.data(), pool_d, poold.size() * 4);
         /* rows of the padded sequence are not compared: neither side writes them */
@@ -1718,41 +1727,20 @@ static void run_ops(const Cfg &cf) {
         CHECK(err_f(oc.data(), od.data(), oc.size()) <= tx, "%s: pool o", cf.name);
         CHECK(named_err(poolc, poold) <= 1e-5, "%s: pool states", cf.name);
         size_t changed = 0;
-        for (int s = 0; s < nslots; s++) {
-            bool named = false;
-            for (int n = 0; n < N; n++) named |= slots[n] == s;
-            if (!named)
-                for (size_t i = 0; i < sl; i++) changed += memcmp(&poold[s * sl + i], &pool0[s * sl + i], 4) != 0;
-        }
+        for (size_t i = 0; i < poold.size(); i++) changed += !named[i / sl] && memcmp(&poold[i], &pool0[i], 4) != 0;
         CHECK(changed == 0, "%s: %zu values changed in slots no sequence names", cf.name, changed);
         /* the same with a bf16 pool: device and CPU round the same fp32 states */
         std::vector<uint16_t> p16((size_t)nslots * sl), p16c, p16d((size_t)nslots * sl);
         for (size_t i = 0; i < p16.size(); i++) p16[i] = kda_f32_to_bf16(pool0[i]);
         p16c = p16;
         void *pool16_d = dup(p16.data(), p16.size() * 2);
-        for (int side = 0; side < 2; side++) {
-            kda_context *ctx = side ? g_dev : cpu;
-            kda_inputs pin = side ? X.dev : X.host;
-            pin.h0 = NULL;
-            kda_recurrent_io io;
-            memset(&io, 0, sizeof io);
-            io.o = side ? o.d : (void *)o.c.data();
-            io.state_pool = side ? (float *)pool16_d : (float *)(void *)p16c.data();
-            io.slots = side ? (const int32_t *)slots_d : slots.data();
-            io.slots_host = slots.data();
-            io.num_slots = nslots;
-            io.state_dtype = KDA_BF16;
-            CHECK(kda_recurrent_fwd(ctx, &p, &pin, &io) == KDA_OK, "%s: bf16 pool on %s: %s", cf.name,
-                  side ? "device" : "cpu", kda_last_error(ctx));
-        }
+        run_pool(p16c.data(), pool16_d, KDA_BF16);
         down(p16d.data(), pool16_d, p16d.size() * 2);
         std::vector<float> a(p16.size()), b(p16.size());
         size_t changed16 = 0;
         for (size_t i = 0; i < p16.size(); i++) {
             a[i] = kda_bf16_to_f32(p16c[i]); b[i] = kda_bf16_to_f32(p16d[i]);
-            bool named = false;
-            for (int n = 0; n < N; n++) named |= slots[n] == (int)(i / sl);
-            if (!named) changed16 += p16d[i] != p16[i];
+            changed16 += !named[i / sl] && p16d[i] != p16[i];
         }
         CHECK(named_err(a, b) <= 1e-2, "%s: bf16 pool states", cf.name);
         CHECK(changed16 == 0, "%s: bf16 pool: %zu values changed in slots no sequence names", cf.name, changed16);
