@@ -1511,7 +1511,7 @@ static size_t kda__sidx(const kda_problem *p, long long idx, int d, int v) {
 
 /* Where sequence sq's state of value head hv starts and ends: in.h0 and ht (either may be
  * NULL), or in the pool form its slot, fp32 or bf16. Returns 0 for padding (a slot < 0, or
- * out of range: kda__check_slots rejects that where it can see the slots), src = dst = NULL. */
+ * out of range: kda__check_pool rejects that where it can see the slots), src = dst = NULL. */
 static int kda__state_at(const kda__cpu *c, int sq, int hv, const float *h0, float *ht, const void **src, void **dst,
                          kda_dtype *dt, long long *sidx) {
     *src = h0; *dst = ht; *dt = KDA_F32;

@@ -69,8 +69,8 @@ STAGES = {
     "bwd_qkb":     dict(axes={"dtype": DTYPES, "l2norm": [0, 1]}, grid="rows", threads=256),
     # the per-chunk states in the caller's layout (kda_fwd_outputs.h)
     "states_out":  dict(axes={}, grid="chunk_head", threads=256),
-    # the chunked forward's pool form with a bf16 pool: its sequences' states widened into fp32
-    # before the forward, rounded back after it
+    # the chunked forward's pool form on a device: its sequences' states gathered from their
+    # slots into fp32 before the forward, put back after it (a bf16 pool: rounded once)
     "pool_widen":  dict(axes={}, grid="seq_head_v", threads=256),
     "pool_narrow": dict(axes={}, grid="seq_head_v", threads=256),
     # the tensor-core fragment layout, checked on the hardware against tests/cuda_emu.h
