@@ -4491,15 +4491,22 @@ done:
     return s;
 }
 
+/* Ascending order of 64-bit keys (kda__check_pool's (slot, sequence) pairs) */
+static int kda__u64_less(const void *a, const void *b) {
+    const unsigned long long x = *(const unsigned long long *)a, y = *(const unsigned long long *)b;
+    return (x > y) - (x < y);
+}
+
 /* The pool form's arguments (op: the operation's name in messages): either no pool, with
  * slots NULL and state_dtype f32, or a pool with slots, validated from a host copy before
- * anything is written. Fills *pl. */
+ * anything is written. Two sequences on one slot are found by sorting the (slot, sequence)
+ * pairs: host work and memory that grow with the batch, not with the pool (a decode step of
+ * one sequence in a pool of a million slots reads 12 bytes, not a million). Fills *pl. */
 static kda_status kda__check_pool(kda_context *ctx, const kda_problem *p, const char *op, float *pool, const int32_t *slots,
                                   int num_slots, const int32_t *slots_host, kda_dtype dtype, kda__pool *pl) {
-    int N = kda_num_seqs(p), n;
+    int N = kda_num_seqs(p), n, m = 0, dup = -1;
     const int32_t *sl = kda__on_device(ctx) ? slots_host : slots;
-    unsigned char *seen;
-    kda_status s = KDA_OK;
+    unsigned long long *key;
     memset(pl, 0, sizeof *pl);
     if (!pool) {
         if (slots) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "%s: slots given without state_pool", op);
@@ -4512,19 +4519,24 @@ static kda_status kda__check_pool(kda_context *ctx, const kda_problem *p, const 
     if (dtype != KDA_F32 && dtype != KDA_BF16)
         return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "%s: state_dtype=%s must be f32 or bf16", op, kda_dtype_name(dtype));
     if (sl) { /* (device slots without a host copy: range-checked by the kernels) */
-        seen = (unsigned char *)kda__alloc(ctx, (size_t)num_slots);
-        if (!seen) return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "cannot allocate %d bytes", num_slots);
-        memset(seen, 0, (size_t)num_slots);
-        for (n = 0; n < N && s == KDA_OK; n++) {
-            int v = sl[n];
-            if (v >= num_slots) s = kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "%s: slots[%d]=%d >= num_slots=%d", op, n, v, num_slots);
-            else if (v >= 0 && seen[v]) s = kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "%s: slot %d is used by two sequences (slots[%d])", op, v, n);
-            else if (v >= 0) seen[v] = 1;
-        }
-        kda__free(ctx, seen);
+        for (n = 0; n < N; n++)
+            if (sl[n] >= num_slots)
+                return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "%s: slots[%d]=%d >= num_slots=%d", op, n, sl[n], num_slots);
+        if (!(key = (unsigned long long *)kda__alloc(ctx, sizeof *key * (size_t)N + 1)))
+            return kda__fail(ctx, KDA_ERROR_OUT_OF_MEMORY, "cannot allocate %zu bytes", sizeof *key * (size_t)N + 1);
+        for (n = 0; n < N; n++) /* (padding, slot < 0, is on no slot) */
+            if (sl[n] >= 0) key[m++] = (unsigned long long)sl[n] << 32 | (unsigned)n;
+        qsort(key, (size_t)m, sizeof *key, kda__u64_less);
+        /* the first sequence, in batch order, whose slot an earlier one has (a run of one slot
+         * is in batch order: the least of its later sequences is its second) */
+        for (n = 1; n < m; n++)
+            if (key[n] >> 32 == key[n - 1] >> 32 && (dup < 0 || (int)(unsigned)key[n] < dup)) dup = (int)(unsigned)key[n];
+        kda__free(ctx, key);
+        if (dup >= 0)
+            return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "%s: slot %d is used by two sequences (slots[%d])", op, sl[dup], dup);
     }
     pl->states = pool; pl->slots = slots; pl->num_slots = num_slots; pl->dtype = dtype;
-    return s;
+    return KDA_OK;
 }
 
 kda_status kda_chunk_fwd(kda_context *ctx, const kda_problem *p, const kda_inputs *in, const kda_fwd_outputs *out) {

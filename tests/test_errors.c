@@ -528,6 +528,42 @@ static void test_stage_functions_reject_null_work(void) {
     kda_context_destroy(ctx);
 }
 
+/* The pool check finds two sequences on one slot however they lie in the batch (it sorts the
+ * slots), names the first sequence, in batch order, whose slot an earlier one has, and lets any
+ * number of padding sequences (slot < 0) through. Five sequences over the 40 rows. */
+static void test_pool_slot_repeats_are_named_in_batch_order(void) {
+    static const struct {
+        int32_t slots[5];
+        const char *want; /* NULL: accepted */
+    } cases[] = {
+        {{2, 1, -1, 1, 2}, "slots[3]|slot 1"}, /* slot 1 repeats at 3, slot 2 only at 4 */
+        {{2, 0, 2, 0, -1}, "slots[2]|slot 2"}, /* sorted, slot 0's run comes first: its repeat is at 3 */
+        {{0, -1, -1, -7, 2}, NULL},
+        {{-1, -1, -1, -1, -1}, NULL},
+    };
+    kda_context *ctx = t_cpu();
+    int32_t cu[6] = {0, 8, 16, 24, 32, 40};
+    int i, op;
+    t_current = "test_pool_slot_repeats_are_named_in_batch_order";
+    for (i = 0; i < (int)(sizeof cases / sizeof cases[0]); i++)
+        for (op = OP_P; op <= OP_PF; op <<= 1) {
+            env e;
+            int32_t sl[5];
+            char what[96];
+            memcpy(sl, cases[i].slots, sizeof sl);
+            env_reset(&e, MODE_POOL);
+            e.p.B = 1; e.p.T = 40; e.p.num_seqs = 5; e.p.seqlens_type = KDA_INDEX_I32;
+            e.in.cu_seqlens = cu;
+            e.ro.slots = e.fo.slots = sl;
+            e.fo.h = NULL; /* (sized for the base problems' chunks: five sequences have more) */
+            snprintf(what, sizeof what, "%s, slots {%d %d %d %d %d}", op_name(op), sl[0], sl[1], sl[2], sl[3], sl[4]);
+            poison_all();
+            if (cases[i].want) check_rejected(ctx, what, call_op(ctx, op, &e), INV, cases[i].want);
+            else CHECK(call_op(ctx, op, &e) == KDA_OK, "%s: %s", what, kda_last_error(ctx));
+        }
+    kda_context_destroy(ctx);
+}
+
 static void test_success_after_failure_clears_last_error(void) {
     kda_context *ctx = t_cpu();
     int op;
@@ -624,6 +660,7 @@ int main(void) {
     test_context_create_rejects_cuda_here_and_bogus_backend();
     test_stage_functions_reject_null_work();
     test_success_after_failure_clears_last_error();
+    test_pool_slot_repeats_are_named_in_batch_order();
     test_custom_allocator_and_log_callback_are_used();
     teardown();
     return t_report();
