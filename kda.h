@@ -3317,10 +3317,9 @@ static void kda__kparams_fill(kda__kparams *a, const kda__cpu *c) {
     a->o = c->o; a->ht = c->ht; a->dout = c->dout; a->dht = c->dht; a->dh0 = c->dh0;
     a->dv = c->dv; a->dg = c->dg; a->dq = c->dq; a->dk = c->dk; a->dbeta = c->dbeta;
     a->dA_log = c->dA_log; a->ddt_bias = c->ddt_bias;
-    if (c->rio) {
-        a->o = c->rio->o; a->ht = c->rio->ht;
-        a->state_pool = c->pool.states; a->slots = c->pool.slots; a->num_slots = c->pool.num_slots; a->pool_dtype = c->pool.dtype;
-    }
+    if (c->rio) a->o = c->rio->o, a->ht = c->rio->ht;
+    /* the pool form's pool (the recurrence's, or the chunk forward's for pool_widen and pool_narrow) */
+    a->state_pool = c->pool.states; a->slots = c->pool.slots; a->num_slots = c->pool.num_slots; a->pool_dtype = c->pool.dtype;
     if (c->pool_f32) a->h0 = a->ht = c->pool_f32; /* the chunk forward over its pool's gathered states */
     if (c->h_out) a->ht = c->h_out; /* states_out writes the intermediate states through ht */
 }
@@ -4382,7 +4381,6 @@ static kda_status kda__pool_convert(kda_context *ctx, kda__cpu *c, void *ws, int
     c->pool_f32 = (float *)(((uintptr_t)ws + 255) & ~(uintptr_t)255);
     grid[0] = (unsigned)c->s.N; grid[1] = (unsigned)c->p->HV; grid[2] = 1u;
     kda__kparams_fill(&a, c);
-    a.state_pool = c->pool.states; a.slots = c->pool.slots; a.num_slots = c->pool.num_slots; a.pool_dtype = c->pool.dtype;
     a.h = c->pool_f32;
     return ctx->dev->launch(ctx, k, grid, &a);
 }
