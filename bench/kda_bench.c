@@ -645,6 +645,22 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
         dfree_all(ctx, &b);
         return;
     }
+    /* before fin copies in: the forward takes the gate's inputs too (set after it, from cefb75b
+     * on, every --gate forward failed: "A_log is required for KDA_GATE_SOFTPLUS") */
+    if (g_gate) { /* raw g = randn (above); Kimi Linear's decay rates, or (lb5) A = 1 and a bias of 3 */
+        float *a = xmalloc((size_t)p.HV * 4), *dtb = xmalloc((size_t)p.HV * p.K * 4);
+        for (int i = 0; i < p.HV; i++) a[i] = lb5 ? 0.0f : (float)log(1.0 + 15.0 * urand());
+        for (int i = 0; i < p.HV * p.K; i++)
+            dtb[i] = lb5 ? 3.0f : (float)log(expm1(exp(log(1e-3) + urand() * (log(1e-1) - log(1e-3)))));
+        in.A_log = dalloc(ctx, &b, (size_t)p.HV * 4, a);
+        in.dt_bias = dalloc(ctx, &b, (size_t)p.HV * p.K * 4, dtb);
+        free(a), free(dtb);
+        if (!in.A_log || !in.dt_bias) {
+            gpu_error_line("fwd", s, extra_fields), gpu_error_line("bwd", s, extra_fields);
+            dfree_all(ctx, &b);
+            return;
+        }
+    }
     in.cu_seqlens_host = s->cu_seqlens;
     kda_inputs fin = in; /* the forward's: in.h0 stays the backward's */
     int32_t *slots_h = NULL;
@@ -666,20 +682,6 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
             gpu_error_line("fwd", s, extra_fields);
             dfree_all(ctx, &b);
             free(slots_h);
-            return;
-        }
-    }
-    if (g_gate) { /* raw g = randn (above); Kimi Linear's decay rates, or (lb5) A = 1 and a bias of 3 */
-        float *a = xmalloc((size_t)p.HV * 4), *dtb = xmalloc((size_t)p.HV * p.K * 4);
-        for (int i = 0; i < p.HV; i++) a[i] = lb5 ? 0.0f : (float)log(1.0 + 15.0 * urand());
-        for (int i = 0; i < p.HV * p.K; i++)
-            dtb[i] = lb5 ? 3.0f : (float)log(expm1(exp(log(1e-3) + urand() * (log(1e-1) - log(1e-3)))));
-        in.A_log = dalloc(ctx, &b, (size_t)p.HV * 4, a);
-        in.dt_bias = dalloc(ctx, &b, (size_t)p.HV * p.K * 4, dtb);
-        free(a), free(dtb);
-        if (!in.A_log || !in.dt_bias) {
-            gpu_error_line("fwd", s, extra_fields), gpu_error_line("bwd", s, extra_fields);
-            dfree_all(ctx, &b);
             return;
         }
     }
