@@ -13,7 +13,8 @@
 # it (kernels_generated/ is rendered again where templates/ is newer). A variant may add
 # VAR=value settings after its tree, each after a colon, for its runs alone: the same build
 # under another run-time switch. Prints and appends to OUTDIR/ab.txt one line per run:
-# round, shape (B,T,H,K,V), name, median ms; kda-bench's stderr goes to OUTDIR/ab_err.txt.
+# round, shape (B,T,H,K,V), name, median ms; kda-bench's stderr, and its output where a run
+# fails, go to OUTDIR/ab_err.txt.
 set -u
 [ $# -ge 2 ] || { sed -n '2,15p' "$0"; exit 2; }
 out=$1; shift
@@ -31,8 +32,9 @@ for round in $(seq "$ROUNDS"); do
         for nd in "$@"; do
             n=${nd%%=*} d=$(tree "$nd")
             # shellcheck disable=SC2046,SC2086 # (the settings and ARGS split at spaces: values without them)
-            ms=$(env $(settings "$nd") "$d/build/kda-bench" --device gpu --ops fwd --reps "$REPS" --shape "$s" ${ARGS:-} 2>>"$out/ab_err.txt" |
-                 grep -o '"ms_median":[0-9.]*' | cut -d: -f2)
+            line=$(env $(settings "$nd") "$d/build/kda-bench" --device gpu --ops fwd --reps "$REPS" --shape "$s" ${ARGS:-} 2>>"$out/ab_err.txt")
+            ms=$(echo "$line" | grep -o '"ms_median":[0-9.]*' | cut -d: -f2)
+            [ -n "$ms" ] || echo "round $round shape $s $n: $line" >>"$out/ab_err.txt" # (kda-bench's error line)
             echo "round $round shape $s $n ${ms:-failed}" | tee -a "$out/ab.txt"
         done
     done
