@@ -2,7 +2,7 @@
  * GPU, and the cost of compiling or loading the GPU kernels.
  *
  *     cc -std=c11 -O3 -march=native bench/kda_bench.c -o kda-bench -lm -lpthread -ldl
- *     ./kda-bench --device cpu [--reps N] [--threads N]
+ *     ./kda-bench --device cpu [--reps N] [--threads N] [--ops fwd,bwd] [--shape B,T,H,K,V [--seqlens L1,..]]
  *     ./kda-bench --device gpu [--reps N] [--peak-gbps X] [--ops fwd,bwd,decode]
  *     (any of them: --dtype f16 for fp16 q, k, v, beta and o instead of bf16; gpu:
  *      --g-dtype act for g in that dtype too, as a model's gate projection gives it)
@@ -100,6 +100,8 @@ typedef struct shape {
 } shape;
 
 static const int32_t varlen_mix[] = {0, 100, 1124, 1200, 3000, 4096};
+static shape g_shape;                        /* --shape B,T,H,K,V: this one instead of the table */
+static const char *g_ops = "fwd,bwd,decode"; /* --ops: which operations to time (decode: GPU only) */
 
 static const shape shapes[] = {
     {1, 4096, 4, 128, 128, NULL, 0},
@@ -332,10 +334,14 @@ static void bench_shape(kda_context *ctx, const shape *s, int reps, int threads)
     io.dout = dout, io.dq = dq, io.dk = dk, io.dv = dv, io.dg = dg, io.dbeta = dbeta, io.dh0 = dh0;
 
     double flops = fwd_flops(&p, s->cu_seqlens), ms_min, ms;
-    ms = time_op(ctx, run_fwd, "kda_chunk_fwd", &p, &in, &out, reps, &ms_min);
-    print_line("fwd", s, ms, ms_min, flops, threads);
-    ms = time_op(ctx, run_bwd, "kda_chunk_bwd", &p, &in, &io, reps, &ms_min);
-    print_line("bwd", s, ms, ms_min, 3.0 * flops, threads);
+    if (strstr(g_ops, "fwd")) {
+        ms = time_op(ctx, run_fwd, "kda_chunk_fwd", &p, &in, &out, reps, &ms_min);
+        print_line("fwd", s, ms, ms_min, flops, threads);
+    }
+    if (strstr(g_ops, "bwd")) {
+        ms = time_op(ctx, run_bwd, "kda_chunk_bwd", &p, &in, &io, reps, &ms_min);
+        print_line("bwd", s, ms, ms_min, 3.0 * flops, threads);
+    }
 
     kda_set_workspace(ctx, NULL, 0);
     void *all[] = {q, k, v, dout, beta, g, h0, o, dq, dk, dv, dg, dbeta, ht, dh0, ws};
@@ -591,10 +597,8 @@ static void gpu_error_line(const char *op, const shape *s, const char *extra)
     fflush(stdout);
 }
 
-static const char *g_ops = "fwd,bwd,decode"; /* --ops: which GPU operations to time */
 static const char *g_gate;                    /* --gate kimi or lb5 (NULL: g = logsigmoid(randn)) */
 static int g_g16;                             /* --g-dtype act: g in the activation dtype, not fp32 */
-static shape g_shape;                        /* --shape B,T,H,K,V: this one instead of the table */
 static int32_t g_cu[257];                     /* --seqlens: its varlen batch (B = 1, T = the sum) */
 
 static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double peak_gbps)
@@ -1078,7 +1082,7 @@ static int bench_jit(const char *arch, int threads)
 static int usage(void)
 {
     fprintf(stderr, "usage: kda-bench --device cpu|gpu [--reps N] [--threads N] [--peak-gbps X] [--ops fwd,bwd,decode]\n"
-                    "                 [--shape B,T,H,K,V]   (gpu: this shape instead of ANCHORS.md's)\n"
+                    "                 [--shape B,T,H,K,V]   (this shape instead of the table: ANCHORS.md's on the gpu)\n"
                     "                 [--seqlens L1,L2,..]  (with --shape 1,T,H,K,V: a varlen batch of these lengths)\n"
                     "                 [--gate kimi|lb5]     (gpu: the softplus gate, Kimi Linear's initialisation;\n"
                     "                                        the lower-bound gate at -5, mostly near it)\n"
@@ -1093,7 +1097,7 @@ static int usage(void)
 
 int main(int argc, char **argv)
 {
-    const char *device = "cpu", *arch = "sm_90a";
+    const char *device = "cpu", *arch = "sm_90a", *gpu_only = NULL; /* the last option the CPU has not */
     int reps = 0, threads = 0, jit = 0;
     double peak_gbps = 4300.0;
     for (int i = 1; i < argc; i++) {
@@ -1111,21 +1115,26 @@ int main(int argc, char **argv)
             g_dtype = strcmp(val, "f16") ? KDA_BF16 : KDA_F16;
         }
         else if (!strcmp(a, "--g-dtype")) {
+            gpu_only = a;
             if (strcmp(val, "f32") && strcmp(val, "act")) return usage();
             g_g16 = !strcmp(val, "act");
         }
         else if (!strcmp(a, "--decode-n")) {
+            gpu_only = a;
             if ((g_decode_n = atoi(val)) < 1) return usage();
         }
         else if (!strcmp(a, "--state")) {
+            gpu_only = a;
             if (strcmp(val, "pool")) return usage();
             g_fwd_pool = 1;
         }
         else if (!strcmp(a, "--pool-dtype")) {
+            gpu_only = a;
             if (strcmp(val, "f32") && strcmp(val, "bf16")) return usage();
             g_pool_bf16 = !strcmp(val, "bf16");
         }
         else if (!strcmp(a, "--gate")) {
+            gpu_only = a;
             if (strcmp(val, "kimi") && strcmp(val, "lb5")) return usage();
             g_gate = val;
         }
@@ -1161,6 +1170,14 @@ int main(int argc, char **argv)
     if (jit) return bench_jit(arch, threads);
     if (!strcmp(device, "gpu")) return bench_gpu(reps ? reps : 10, peak_gbps);
     if (strcmp(device, "cpu")) return usage();
+    if (gpu_only) { /* (rather than a table of lines without what was asked for) */
+        fprintf(stderr, "kda-bench: %s is for --device gpu only\n", gpu_only);
+        return 1;
+    }
+    if (!strstr(g_ops, "fwd") && !strstr(g_ops, "bwd")) {
+        fprintf(stderr, "kda-bench: --ops %s: the CPU times fwd and bwd (decode on the GPU only)\n", g_ops);
+        return 1;
+    }
     if (reps == 0) reps = 5;
 
     /* Threads: --threads, else $KDA_NUM_THREADS, else all online cores (the library's rule). */
@@ -1174,7 +1191,9 @@ int main(int argc, char **argv)
     kda_status st = kda_context_create(&ctx, KDA_BACKEND_CPU, &opts);
     if (st != KDA_OK) fail(ctx, st, "kda_context_create");
 
-    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) bench_shape(ctx, &shapes[i], reps, threads);
+    if (g_shape.B) bench_shape(ctx, &g_shape, reps, threads);
+    else
+        for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) bench_shape(ctx, &shapes[i], reps, threads);
 
     kda_context_destroy(ctx);
     return 0;

@@ -57,6 +57,19 @@ if [ -z "${KDA_QUICK:-}" ]; then
     if [ "$(echo "$out" | tail -n 1)" = "selftest-cpu: PASS" ]; then ok; else bad "compare_fla.py --selftest-cpu"; echo "$out" | tail -n 20; fi
 fi
 
+# 4b. kda-bench on the CPU times the shape and operations asked for, and refuses the GPU's own
+#     options rather than printing its default table without them.
+if [ -z "${KDA_QUICK:-}" ]; then
+    out=$("$build/kda-bench" --device cpu --reps 1 --ops fwd --shape 2,63,3,60,40 2>&1)
+    [ "$(echo "$out" | wc -l)" -eq 1 ] && echo "$out" | grep -q '"op":"fwd","shape":{"B":2,"T":63,"H":3,"K":60,"V":40,"varlen":null}' &&
+        ok || { bad "kda-bench --device cpu --ops fwd --shape 2,63,3,60,40"; echo "$out"; }
+    out=$("$build/kda-bench" --device cpu --reps 1 --ops bwd --shape 1,100,2,64,64 --seqlens 37,63 2>&1)
+    [ "$(echo "$out" | wc -l)" -eq 1 ] && echo "$out" | grep -q '"op":"bwd","shape":{"B":1,"T":100,"H":2,"K":64,"V":64,"varlen":\[0,37,100\]}' &&
+        ok || { bad "kda-bench --device cpu --ops bwd --seqlens 37,63"; echo "$out"; }
+    out=$("$build/kda-bench" --device cpu --gate kimi 2>&1) && bad "kda-bench --device cpu --gate kimi ran" ||
+        { echo "$out" | grep -q -- "--gate is for --device gpu only" && ok || { bad "kda-bench --device cpu --gate kimi: $out"; }; }
+fi
+
 # 5. Every reference case, every dtype and chunk size (kda-case prints PASS/FAIL last).
 if [ ! -d "$cases" ]; then
     bad "reference cases not found at $cases (set KDA_CASES)"
