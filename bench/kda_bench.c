@@ -649,8 +649,7 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
         dfree_all(ctx, &b);
         return;
     }
-    /* before fin copies in: the forward takes the gate's inputs too (set after it, from cefb75b
-     * on, every --gate forward failed: "A_log is required for KDA_GATE_SOFTPLUS") */
+    /* (before fin = in below: the forward takes the gate's inputs too) */
     if (g_gate) { /* raw g = randn (above); Kimi Linear's decay rates, or (lb5) A = 1 and a bias of 3 */
         float *a = xmalloc((size_t)p.HV * 4), *dtb = xmalloc((size_t)p.HV * p.K * 4);
         for (int i = 0; i < p.HV; i++) a[i] = lb5 ? 0.0f : (float)log(1.0 + 15.0 * urand());
@@ -1097,7 +1096,7 @@ static int usage(void)
 
 int main(int argc, char **argv)
 {
-    const char *device = "cpu", *arch = "sm_90a", *gpu_only = NULL; /* the last option the CPU has not */
+    const char *device = "cpu", *arch = "sm_90a", *gpu_only = NULL; /* a GPU-only option given (the last) */
     int reps = 0, threads = 0, jit = 0;
     double peak_gbps = 4300.0;
     for (int i = 1; i < argc; i++) {
