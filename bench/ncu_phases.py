@@ -12,9 +12,11 @@ On a GPU machine (ncu holds the SM clock at its base, so times run longer than k
 The kernel's SASS falls into three regions at its setmaxnreg instructions: the prologue,
 the factor warps (after USETMAXREG.DEALLOC) and the state warps (after
 USETMAXREG.TRY_ALLOC). Inside a region, each barrier or wait closes a phase. A phase's share
-of the samples is the warp-time spent there, its stalls included. Samples are taken per warp,
-so the region with more warps holds more of them. --chunks N (chunks x column blocks)
-divides the instruction counts into per-chunk figures.
+of the samples is the warp-time spent there, its stalls included, and its main stall
+reasons follow it. Samples are taken per warp, so the region with more warps holds more of
+them. --chunks N (chunks x column blocks) divides the instruction counts into per-chunk
+figures. --top N lists each region's N instructions with the most samples and why they
+stalled: which wait (a load's result, a barrier, a fixed latency) a phase's time goes to.
 """
 import argparse
 import collections
@@ -37,6 +39,7 @@ def main():
     ap.add_argument("csv", help="ncu --page source --csv --print-source sass output")
     ap.add_argument("--chunks", type=float, default=0, help="chunks x column blocks of the launch")
     ap.add_argument("--min", type=float, default=0.3, help="hide phases under this %% of the samples")
+    ap.add_argument("--top", type=int, default=0, help="list each region's N instructions with the most samples")
     a = ap.parse_args()
 
     rows = list(csv.reader(open(a.csv)))
@@ -49,6 +52,15 @@ def main():
     stalls = [h for h in rows[head] if h.startswith("stall_") and "(Not Issued)" not in h]
     total = sum(samples) or 1.0
 
+    def reasons(lo, hi, n):
+        """the n main stall reasons of SASS lines lo..hi - 1, as shares of their samples"""
+        why = collections.Counter()
+        for r in data[lo:hi]:
+            for h in stalls:
+                why[h[6:]] += number(r[ix[h]])
+        s = sum(samples[lo:hi])
+        return ", ".join(f"{k} {100 * v / max(s, 1):.0f}%" for k, v in why.most_common(n) if v)
+
     def at(marker):
         return next((i for i, s in enumerate(src) if marker in s), None)
 
@@ -60,12 +72,7 @@ def main():
 
     for name, lo, hi in (("prologue", 0, dealloc), ("factor warps", dealloc, alloc), ("state warps", alloc, len(data))):
         s = sum(samples[lo:hi])
-        why = collections.Counter()
-        for r in data[lo:hi]:
-            for h in stalls:
-                why[h[6:]] += number(r[ix[h]])
-        top = ", ".join(f"{k} {100 * v / max(s, 1):.0f}%" for k, v in why.most_common(5))
-        print(f"\n{name}: {100 * s / total:.1f}% of samples, {per(sum(executed[lo:hi]))} warp instructions {unit}; {top}")
+        print(f"\n{name}: {100 * s / total:.1f}% of samples, {per(sum(executed[lo:hi]))} warp instructions {unit}; {reasons(lo, hi, 5)}")
         if name == "prologue":
             continue
         print(f"  {'SASS lines':>13} {'samples':>8} {'instr':>9}  closing instruction; most executed opcodes")
@@ -79,7 +86,12 @@ def main():
                 if 100 * s_acc / total >= a.min:
                     common = " ".join(k for k, _ in ops.most_common(4))
                     print(f"  {start:6d}-{i:6d} {100 * s_acc / total:7.2f}% {per(e_acc)}  {src[i][:44]}; {common}")
+                    print(f"  {'':13} stalls: {reasons(start, i + 1, 3)}")
                 start, s_acc, e_acc, ops = i + 1, 0.0, 0.0, collections.Counter()
+        if a.top:
+            print(f"  heaviest instructions: SASS line, samples, instruction; stalls")
+            for i in sorted(range(lo, hi), key=lambda i: -samples[i])[:a.top]:
+                print(f"  {i:6d} {100 * samples[i] / total:7.2f}%  {src[i][:44]}; {reasons(i, i + 1, 2)}")
 
 
 if __name__ == "__main__":
