@@ -57,6 +57,13 @@ if [ -z "${KDA_QUICK:-}" ]; then
     if [ "$(echo "$out" | tail -n 1)" = "selftest-cpu: PASS" ]; then ok; else bad "compare_fla.py --selftest-cpu"; echo "$out" | tail -n 20; fi
 fi
 
+# 4a. bench/ncu_phases.py's report (phases, stall shares, heaviest instructions) on a made-up
+#     ncu source page whose figures are known: the profiler's reading, checked without a GPU.
+if [ -z "${KDA_QUICK:-}" ]; then
+    out=$(${PYTHON:-python3} bench/ncu_phases.py --selftest 2>&1)
+    if [ "$(echo "$out" | tail -n 1)" = "selftest: PASS" ]; then ok; else bad "ncu_phases.py --selftest"; echo "$out" | tail -n 20; fi
+fi
+
 # 4b. kda-bench on the CPU times the shape and operations asked for, and refuses the GPU's own
 #     options rather than printing its default table without them.
 if [ -z "${KDA_QUICK:-}" ]; then
