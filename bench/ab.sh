@@ -26,7 +26,7 @@ summary() {
         if (!(k in nk)) { shapes[++ns] = k; nk[k] = 0 }
         if (!((k, n) in cnt)) { names[k, ++nk[k]] = n; cnt[k, n] = 0; nf[k, n] = 0 }
         if ($6 == "failed") { nf[k, n]++; next }
-        v[k, n, ++cnt[k, n]] = $6; all[k, n] = all[k, n] " " $6
+        v[k, n, ++cnt[k, n]] = $6
     }
     function median(k, n,    m, i, j, t, a) {
         m = cnt[k, n]
@@ -38,10 +38,11 @@ summary() {
         for (i = 1; i <= ns; i++) {
             k = shapes[i]; b = names[k, 1]; base = cnt[k, b] ? median(k, b) : 0
             for (j = 1; j <= nk[k]; j++) {
-                n = names[k, j]; m = cnt[k, n] ? median(k, n) : 0
+                n = names[k, j]; m = cnt[k, n] ? median(k, n) : 0; rounds = ""
+                for (r = 1; r <= cnt[k, n]; r++) rounds = rounds " " v[k, n, r]
                 ch = j == 1 || !m || !base ? "       " : sprintf("%+6.1f%%", 100 * (m / base - 1))
                 printf "%-22s %-10s %s %s  (%s )%s\n", (j == 1 ? k : ""), n, m ? sprintf("%.4f", m) : "failed",
-                       ch, all[k, n], nf[k, n] ? sprintf(" %d failed", nf[k, n]) : ""
+                       ch, rounds, nf[k, n] ? sprintf(" %d failed", nf[k, n]) : ""
             }
         }
     }' "$1/ab.txt"
