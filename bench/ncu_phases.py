@@ -39,7 +39,8 @@ def number(x):
 
 def report(path, chunks=0.0, min_share=0.3, top=0):
     """the report's lines for an ncu source page (csv) of the fused forward"""
-    rows = list(csv.reader(open(path)))
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
     head = next(i for i, r in enumerate(rows) if "Source" in r and "Address" in r)
     ix = {h: i for i, h in enumerate(rows[head])}
     data = [r for r in rows[head + 1:] if len(r) == len(rows[head])]
