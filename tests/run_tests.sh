@@ -64,6 +64,15 @@ if [ -z "${KDA_QUICK:-}" ]; then
     if [ "$(echo "$out" | tail -n 1)" = "selftest: PASS" ]; then ok; else bad "ncu_phases.py --selftest"; echo "$out" | tail -n 20; fi
 fi
 
+# 4a'. bench/ptx_blocks.py reads a kernel's source out of kernels_generated/, compiles it to PTX
+#     through NVRTC and ptxas, and finds no block that differs between a tree and itself.
+if [ -z "${KDA_QUICK:-}" ]; then
+    out=$(${PYTHON:-python3} bench/ptx_blocks.py kda_gate_cumsum_bt16_gatenone . 2>&1)
+    echo "$out" | grep -q '^\.: [1-9][0-9]* PTX lines; ptxas: .*bytes spill stores' &&
+        [ "$(echo "$out" | tail -n 1 | sed 's/^blocks \([0-9]*\) and \1; 0 (0 instructions) only in the first, 0 (0) only in the second$/same/')" = same ] &&
+        ok || { bad "ptx_blocks.py kda_gate_cumsum_bt16_gatenone ."; echo "$out" | tail -n 20; }
+fi
+
 # 4b. kda-bench on the CPU times the shape and operations asked for, and refuses the GPU's own
 #     options rather than printing its default table without them.
 if [ -z "${KDA_QUICK:-}" ]; then
