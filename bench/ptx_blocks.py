@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """A kernel's PTX, its ptxas spill code, and where two trees' PTX differ, block by block; no GPU.
 
+    make build/kda-aot
     python3 bench/ptx_blocks.py [--spec GATE,G_DTYPE] [--arch sm_90a] NAME [OTHER_TREE] [--show]
     python3 bench/ptx_blocks.py --spec 0,0 kda_fwd_fused_dtypebf16_bk128_bv128_varlen0 .ab/base
 
@@ -10,7 +11,8 @@ loop's bookkeeping in 32 bits hoisted the fetch's per-thread offsets out of the 
 reloads, B8 T4096 H16 +18%; bench/RESULTS.md). bench/sass_regions.py shows the SASS that results;
 this shows whether the PTX, the compiler's input, changed and where: it takes the kernel's source
 from each tree's kernels_generated/kda_kernels.h, compiles it to PTX through NVRTC with kda.h's
-options (--spec: the specialisation kda.h compiles for that gate form and g dtype), prints ptxas's
+options (build/kda-aot --print-options prints them; --spec: the specialisation kda.h compiles for
+that gate form and g dtype; both trees take this tree's options), prints ptxas's
 spill line for it, and with a second tree prints the basic blocks whose instructions (registers
 and labels renamed) differ, with --show their diffs. Seconds a variant, where a GPU A/B takes
 minutes.
@@ -63,8 +65,20 @@ def nvrtc():
     return lib
 
 
-def ptx_of(lib, tree, name, arch, spec):
-    """NVRTC's PTX of kernel name in tree, with kda.h's options"""
+def nvrtc_options(aot, name, arch, spec):
+    """kda.h's NVRTC options for kernel name (kda-aot --print-options)"""
+    cmd = [aot, "--print-options", "--arch", arch, "--only", name] + (["--spec", spec] if spec else [])
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        sys.exit(f"{aot}: {e}: make build/kda-aot")
+    if r.returncode:
+        sys.exit(f"{' '.join(cmd)} failed\n{r.stdout}{r.stderr}")
+    return r.stdout.split()
+
+
+def ptx_of(lib, tree, name, opts):
+    """NVRTC's PTX of kernel name in tree, with these options"""
     src = c_strings(os.path.join(tree, "kernels_generated", "kda_kernels.h"), {"kda__src_common", name})
     if name not in src:
         sys.exit(f"{tree}: no kernel {name} in kernels_generated/kda_kernels.h")
@@ -72,10 +86,6 @@ def ptx_of(lib, tree, name, arch, spec):
     hdr = (ctypes.c_char_p * 1)(src["kda__src_common"].encode())
     hname = (ctypes.c_char_p * 1)(b"kda_common.cuh")
     lib.nvrtcCreateProgram(ctypes.byref(prog), src[name].encode(), name.encode(), 1, hdr, hname)
-    opts = [f"-arch=compute_{arch[3:]}", "-std=c++17", "-default-device", "-DKDA_NVRTC=1"]
-    if spec:
-        gate, gdt = spec.split(",")
-        opts += [f"-DKDA_FZ_GATE={gate}", f"-DKDA_FZ_GDT={gdt}"]
     copts = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
     r = lib.nvrtcCompileProgram(prog, len(opts), copts)
     if r:
@@ -128,10 +138,12 @@ def main():
     ap.add_argument("--spec", help="GATE,G_DTYPE: the specialisation for that gate form and g dtype")
     ap.add_argument("--show", action="store_true", help="print the differing blocks' diffs")
     ap.add_argument("--out", help="write this tree's PTX here")
+    ap.add_argument("--aot", default=os.path.join(ROOT, "build", "kda-aot"), help="kda-aot, for kda.h's NVRTC options")
     a = ap.parse_args()
     lib = nvrtc()
+    opts = nvrtc_options(a.aot, a.name, a.arch, a.spec)
     trees = [ROOT] + ([a.other] if a.other else [])
-    ptx = [ptx_of(lib, t, a.name, a.arch, a.spec) for t in trees]
+    ptx = [ptx_of(lib, t, a.name, opts) for t in trees]
     if a.out:
         open(a.out, "w").write(ptx[0])
     for t, p in zip(trees, ptx):

@@ -18,7 +18,10 @@
  * fails a kernel whose spill code grew past FILE's line for it (none: no spill code) or that
  * serialises wgmma, where FILE was written by this NVRTC version (with another, it only
  * reports); --ptxas-write FILE writes the baseline (make ptxas-baseline). Exit status 0 only
- * when every kernel compiled and passed those checks. */
+ * when every kernel compiled and passed those checks.
+ * --print-options compiles nothing: it prints, one a line, the NVRTC options kda.h compiles the
+ * first selected kernel with (the first --only, --arch and --spec), so that bench/ptx_blocks.py
+ * compiles its PTX as kda.h does. */
 #include <sys/stat.h>
 #define KDA_IMPLEMENTATION
 #include "../kda.h"
@@ -229,7 +232,7 @@ int main(int argc, char **argv) {
     const char *archs = "sm_80 sm_90a", *out = NULL, *embed = NULL, *baseline = NULL, *write = NULL;
     const char *only[256];
     char arch_list[256], arch_buf[8][32], *a, *save = NULL, *arch_v[8];
-    int nonly = 0, narch = 0, nthreads = 0, i, k, failed = 0, nspec = 0, spec[9][2], x;
+    int nonly = 0, narch = 0, nthreads = 0, i, k, failed = 0, nspec = 0, spec[9][2], x, print_options = 0;
     pthread_t tid[64];
     for (i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--arch") && i + 1 < argc) archs = argv[++i];
@@ -238,6 +241,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--embed") && i + 1 < argc) embed = argv[++i];
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) nthreads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--ptxas-check")) ptxas_check = 1;
+        else if (!strcmp(argv[i], "--print-options")) print_options = 1;
         else if (!strcmp(argv[i], "--ptxas-baseline") && i + 1 < argc) baseline = argv[++i], ptxas_check = 1;
         else if (!strcmp(argv[i], "--ptxas-write") && i + 1 < argc) write = argv[++i], ptxas_check = 1;
         else if (!strcmp(argv[i], "--spec") && i + 1 < argc && nspec < 9 &&
@@ -246,7 +250,8 @@ int main(int argc, char **argv) {
             nspec++, i++;
         else {
             fprintf(stderr, "usage: kda-aot [--arch \"sm_80 sm_90a\"] [--only NAME]... [--spec GATE,G_DTYPE]... [--out DIR] "
-                            "[--embed FILE] [--threads N] [--ptxas-check] [--ptxas-baseline FILE] [--ptxas-write FILE]\n");
+                            "[--embed FILE] [--threads N] [--ptxas-check] [--ptxas-baseline FILE] [--ptxas-write FILE] "
+                            "[--print-options]\n");
             return 2;
         }
     }
@@ -272,6 +277,16 @@ int main(int argc, char **argv) {
         }
     }
     if (njobs == 0) { fprintf(stderr, "kda-aot: no kernel selected (%d in the table)\n", kda_kernel_count()); return 2; }
+    if (print_options) { /* the first kernel for the first arch: its first --spec where it has one, else generic */
+        const job *j = &jobs[0];
+        const char *opts[8];
+        char buf[3][32];
+        for (i = 0; nspec && i < njobs && jobs[i].kernel == jobs[0].kernel; i++)
+            if (jobs[i].arch == arch_v[0] && jobs[i].gate == spec[0][0] && jobs[i].g_dtype == spec[0][1]) j = &jobs[i];
+        x = kda__nvrtc_options(j->arch, j->gate < 0 ? 0 : kda__kspec(&kda__kernels[j->kernel], j->gate, j->g_dtype), opts, buf);
+        for (i = 0; i < x; i++) puts(opts[i]);
+        return 0;
+    }
     if (nthreads <= 0) nthreads = (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (nthreads > 64) nthreads = 64;
     for (i = 0; i < nthreads; i++) pthread_create(&tid[i], NULL, worker, NULL);

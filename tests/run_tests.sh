@@ -65,9 +65,10 @@ if [ -z "${KDA_QUICK:-}" ]; then
 fi
 
 # 4a'. bench/ptx_blocks.py reads a kernel's source out of kernels_generated/, compiles it to PTX
-#     through NVRTC and ptxas, and finds no block that differs between a tree and itself.
+#     through NVRTC (with kda.h's options, from kda-aot) and ptxas, and finds no block that
+#     differs between a tree and itself.
 if [ -z "${KDA_QUICK:-}" ]; then
-    out=$(${PYTHON:-python3} bench/ptx_blocks.py kda_gate_cumsum_bt16_gatenone . 2>&1)
+    out=$(${PYTHON:-python3} bench/ptx_blocks.py --aot "$build/kda-aot" kda_gate_cumsum_bt16_gatenone . 2>&1)
     echo "$out" | grep -q '^\.: [1-9][0-9]* PTX lines; ptxas: .*bytes spill stores' &&
         [ "$(echo "$out" | tail -n 1 | sed 's/^blocks \([0-9]*\) and \1; 0 (0 instructions) only in the first, 0 (0) only in the second$/same/')" = same ] &&
         ok || { bad "ptx_blocks.py kda_gate_cumsum_bt16_gatenone ."; echo "$out" | tail -n 20; }
