@@ -74,6 +74,13 @@ if [ -z "${KDA_QUICK:-}" ]; then
         ok || { bad "ptx_blocks.py kda_gate_cumsum_bt16_gatenone ."; echo "$out" | tail -n 20; }
 fi
 
+# 4a''. bench/wgmma_chain.py (the state warps' wgmma round trips, bench/RESULTS.md) renders and
+#     compiles for sm_90a with nvcc: the benchmark a GPU run needs stays buildable.
+if [ -z "${KDA_QUICK:-}" ]; then
+    out=$(${PYTHON:-python3} bench/wgmma_chain.py --compile-only 2>&1)
+    [ "$(echo "$out" | tail -n 1)" = "compiled for sm_90a" ] && ok || { bad "wgmma_chain.py --compile-only"; echo "$out" | tail -n 20; }
+fi
+
 # 4b. kda-bench on the CPU times the shape and operations asked for, and refuses the GPU's own
 #     options rather than printing its default table without them.
 if [ -z "${KDA_QUICK:-}" ]; then
