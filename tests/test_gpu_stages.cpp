@@ -562,6 +562,10 @@ static std::vector<Cfg> fused_configs() {
     // bounded split's K = 100 tests fetch element by element)
     p = kda_problem_default(1, 45, 1, 120, 128); p.dtype = KDA_BF16; p.qk_l2norm = 1;
     v.push_back({"fused_B1_T45_K120_V128_l2norm_bf16", p, {}, 1, 0});
+    // a slow decay (g / 50: about 0.77 a chunk), so that the state a chunk carries into the next
+    // counts in o (with logsigmoid gates it is 2^-18 of itself after a chunk)
+    p = kda_problem_default(1, 100, 2, 128, 128); p.dtype = KDA_BF16; p.qk_l2norm = 1;
+    v.push_back({"fused_B1_T100_K128_V128_slow_gate_bf16", p, {}, 1, 0});
     return v;
 }
 // Gates at the edge of the fused kernel's factored products: every 7th token forgets
@@ -576,11 +580,11 @@ static std::vector<Cfg> fused_configs() {
 // -1e30 by turns; the softplus gate: g = +inf and 1e30), and with the softplus gate
 // exp(A_log) = inf on the last head (every step forgets, and the padding must still gate to 0)
 // and 4e-44 on head 0 (no step forgets but those of g = +inf)
-enum FusedGate { GATE_PLAIN, GATE_WIDE, GATE_STRONG, GATE_EDGE, GATE_RATE_0_AND_INF, GATE_CUT };
+enum FusedGate { GATE_PLAIN, GATE_WIDE, GATE_STRONG, GATE_EDGE, GATE_RATE_0_AND_INF, GATE_CUT, GATE_SLOW };
 static FusedGate fused_gate(const Cfg &cf) {
     return strstr(cf.name, "wide") ? GATE_WIDE : strstr(cf.name, "strong") ? GATE_STRONG
          : strstr(cf.name, "edge") ? GATE_EDGE : strstr(cf.name, "rate_0_and_inf") ? GATE_RATE_0_AND_INF
-         : strstr(cf.name, "cut") ? GATE_CUT : GATE_PLAIN;
+         : strstr(cf.name, "cut") ? GATE_CUT : strstr(cf.name, "slow") ? GATE_SLOW : GATE_PLAIN;
 }
 // (bv: the value tile, KDA_FUSED_BV; the automatic choice takes 64 on problems this small)
 static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const char *bv) {
@@ -591,6 +595,8 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
     const kda_problem &p = I.p;
     if (gate == GATE_RATE_0_AND_INF)
         for (int c = 0; c < p.HV; c++) I.A_log[c] = c % 2 ? 100.0f : -200.0f;
+    else if (gate == GATE_SLOW)
+        for (size_t e = 0; e < (size_t)p.B * p.T * p.HV * p.K; e++) I.g[e] *= 0.02f;
     else if (gate == GATE_CUT) {
         const float s = p.gate == KDA_GATE_NONE ? -1.0f : 1.0f; // (a = -inf: g = -inf, or softplus of +inf)
         for (size_t r = 0; r < (size_t)p.B * p.T; r++)
