@@ -695,6 +695,10 @@ static void run_fused_exact_split_with_a_lead() {
     p = kda_problem_default(1, 287, 1, 128, 128);
     p.HV = 2; p.dtype = KDA_BF16; p.gate = KDA_GATE_SOFTPLUS; p.qk_l2norm = 1; p.num_seqs = 3; p.seqlens_type = KDA_INDEX_I64;
     const Cfg varlen = {"fused_varlen_exact_split_lead2", p, {0, 150, 190, 287}, 1, 0};
+    // a slow decay (as fused_B1_T100_K128_V128_slow_gate_bf16), so that the segments' transitions
+    // and end states are far from zero and the combined start states count in o
+    p = kda_problem_default(1, 100, 2, 128, 128); p.dtype = KDA_BF16; p.qk_l2norm = 1;
+    const Cfg slow = {"fused_B1_T100_exact_split_slow_gate", p, {}, 1, 0};
     setenv("KDA_SPLIT", "exact", 1); setenv("KDA_LEAD", "2", 1);
     for (const char *bv : {"128", "64"}) {
 #ifdef KDA_TEST_EMU
@@ -710,6 +714,7 @@ static void run_fused_exact_split_with_a_lead() {
 #ifdef KDA_TEST_EMU
         CHECK(emu_trans_first == std::vector<int>({0, 5, 8, 0, 0, 5}), "exact split with a lead (varlen, bv %s): the piece table's first chunks are not 0 5 8 0 0 5", bv);
 #endif
+        run_fused(slow, "3", GATE_SLOW, bv);
     }
     unsetenv("KDA_SPLIT"); unsetenv("KDA_LEAD");
 }
