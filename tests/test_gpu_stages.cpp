@@ -568,6 +568,12 @@ static std::vector<Cfg> fused_configs() {
     v.push_back({"fused_B1_T100_K128_V128_slow_gate_bf16", p, {}, 1, 0});
     return v;
 }
+// the fused config of that name into *cf, or false (a renamed config must not drop out unseen)
+static bool fused_config(const char *name, Cfg *cf) {
+    for (const Cfg &c : fused_configs())
+        if (!strcmp(name, c.name)) return *cf = c, true;
+    return false;
+}
 // Gates at the edge of the fused kernel's factored products: every 7th token forgets
 // (wide: g -> -1000, past SPAN: the per-pair fallback), or half the channels decay by 5 a
 // token from token 17 through chunk 2 (strong: 58 (base 2) a half chunk, past the four-tile
@@ -695,10 +701,13 @@ static void run_fused_exact_split_with_a_lead() {
     p = kda_problem_default(1, 287, 1, 128, 128);
     p.HV = 2; p.dtype = KDA_BF16; p.gate = KDA_GATE_SOFTPLUS; p.qk_l2norm = 1; p.num_seqs = 3; p.seqlens_type = KDA_INDEX_I64;
     const Cfg varlen = {"fused_varlen_exact_split_lead2", p, {0, 150, 190, 287}, 1, 0};
-    // a slow decay (as fused_B1_T100_K128_V128_slow_gate_bf16), so that the segments' transitions
-    // and end states are far from zero and the combined start states count in o
-    p = kda_problem_default(1, 100, 2, 128, 128); p.dtype = KDA_BF16; p.qk_l2norm = 1;
-    const Cfg slow = {"fused_B1_T100_exact_split_slow_gate", p, {}, 1, 0};
+    // the slow decay's problem, so that the segments' transitions and end states are far from
+    // zero and the combined start states count in o
+    Cfg slow;
+    t_current = "fused";
+    const bool has_slow = fused_config("fused_B1_T100_K128_V128_slow_gate_bf16", &slow);
+    CHECK(has_slow, "the exact split's slow-decay run names a fused config");
+    slow.name = "fused_B1_T100_exact_split_slow_gate";
     setenv("KDA_SPLIT", "exact", 1); setenv("KDA_LEAD", "2", 1);
     for (const char *bv : {"128", "64"}) {
 #ifdef KDA_TEST_EMU
@@ -714,7 +723,7 @@ static void run_fused_exact_split_with_a_lead() {
 #ifdef KDA_TEST_EMU
         CHECK(emu_trans_first == std::vector<int>({0, 5, 8, 0, 0, 5}), "exact split with a lead (varlen, bv %s): the piece table's first chunks are not 0 5 8 0 0 5", bv);
 #endif
-        run_fused(slow, "3", GATE_SLOW, bv);
+        if (has_slow) run_fused(slow, "3", GATE_SLOW, bv);
     }
     unsetenv("KDA_SPLIT"); unsetenv("KDA_LEAD");
 }
@@ -1870,14 +1879,12 @@ static const PathRun path_runs[] = {
 };
 // each path run on its config, which must still exist (a renamed config must not drop out unseen)
 static void run_fused_paths() {
-    const std::vector<Cfg> cfs = fused_configs();
     for (const PathRun &r : path_runs) {
-        const Cfg *cf = NULL;
-        for (const Cfg &c : cfs)
-            if (!strcmp(r.config, c.name)) cf = &c;
+        Cfg cf;
         t_current = "fused";
-        CHECK(cf, "path run %s names a fused config", r.config);
-        if (cf) run_fused(*cf, r.segments, fused_gate(*cf), r.bv);
+        const bool found = fused_config(r.config, &cf);
+        CHECK(found, "path run %s names a fused config", r.config);
+        if (found) run_fused(cf, r.segments, fused_gate(cf), r.bv);
     }
 }
 
