@@ -566,6 +566,14 @@ static std::vector<Cfg> fused_configs() {
     // counts in o (with logsigmoid gates it is 2^-18 of itself after a chunk)
     p = kda_problem_default(1, 100, 2, 128, 128); p.dtype = KDA_BF16; p.qk_l2norm = 1;
     v.push_back({"fused_B1_T100_K128_V128_slow_gate_bf16", p, {}, 1, 0});
+    // the slow decay in the kernels that take a chunk's factors from elsewhere: varlen (chunks
+    // from the piece table; V = 160: three column blocks at bv 64, at bv 128 a pair with its last
+    // columns masked) and V = 256 (a pair: half of the chunks' factors, their decays among them,
+    // come from the other block's groups)
+    p = kda_problem_default(1, 150, 1, 128, 160); p.dtype = KDA_BF16; p.qk_l2norm = 1; p.num_seqs = 3; p.seqlens_type = KDA_INDEX_I32;
+    v.push_back({"fused_varlen_K128_V160_slow_gate_bf16", p, {0, 90, 107, 150}, 1, 0});
+    p = kda_problem_default(1, 100, 1, 128, 256); p.dtype = KDA_BF16; p.qk_l2norm = 1;
+    v.push_back({"fused_B1_T100_K128_V256_slow_gate_pairs_bf16", p, {}, 1, 0});
     return v;
 }
 // the fused config of that name into *cf, or false (a renamed config must not drop out unseen)
