@@ -5,6 +5,11 @@
     python3 bench/sass_regions.py [--arch sm_90a] [--spec GATE,G_DTYPE] NAME [NAME ...]
     python3 bench/sass_regions.py kda_fwd_fused_dtypebf16_bk128_bv128_varlen0
     python3 bench/sass_regions.py --spec 0,0 kda_fwd_fused_dtypebf16_bk128_bv128_varlen0
+    python3 bench/sass_regions.py --spec 0,0 --loop state kda_fwd_fused_pairs_dtypebf16_bk128_bv128_varlen0
+
+--loop also prints one kind of warp's chunk loop, an instruction a line: where ptxas put a load
+against its uses and the wgmma (S^T's decay: eight elast loads through one register quad, each
+waited for by its FMULs; 2026-11-30, bench/RESULTS.md).
 
 --spec looks at the specialisation kda.h's NVRTC compiles for a problem with that gate form and
 g dtype (kda_gate, kda_dtype numbers; kda__kspec), through build/test_jit; without it, at the
@@ -82,7 +87,7 @@ def wgmma_waits(lines):
 
 
 def chunk_loop(lines):
-    """(instructions, STL, LDL) of the region's chunk loop: the widest span from a backward
+    """the region's chunk loop, its SASS lines: the widest span from a backward
     branch's target to the branch that holds a barrier or a wgmma (a chunk's hand-over) and no
     inner loop that holds one too (so that a loop around the chunk loop, over several pieces,
     does not take its place)"""
@@ -101,8 +106,7 @@ def chunk_loop(lines):
         inner = any(lo <= a and b <= hi and (a, b) != (lo, hi) and holds(a, b) for a, b in loops)
         if holds(lo, hi) and not inner and hi - lo > best[1] - best[0]:
             best = (lo, hi)
-    body = lines[best[0]:best[1] + 1] if best[1] > best[0] else []
-    return (len(body),) + spill_code(body)
+    return lines[best[0]:best[1] + 1] if best[1] > best[0] else []
 
 
 def main():
@@ -111,6 +115,7 @@ def main():
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--cuobjdump", help="path to cuobjdump")
     ap.add_argument("--spec", help="GATE,G_DTYPE: the specialisation for that gate form and g dtype")
+    ap.add_argument("--loop", choices=["state", "factor"], help="also print that kind of warp's chunk loop, instruction by instruction")
     a = ap.parse_args()
     tool = os.path.join(ROOT, "build", "test_jit" if a.spec else "kda-aot")
     cuobjdump = find_cuobjdump(a.cuobjdump)
@@ -118,7 +123,7 @@ def main():
         sys.exit(f"{tool} is missing: make {os.path.relpath(tool, ROOT)}")
     if not cuobjdump:
         sys.exit("cuobjdump not found: set CUDA_HOME or give --cuobjdump")
-    status = 0
+    status, listing = 0, []
     for name in a.names:
         with tempfile.TemporaryDirectory() as tmp:
             if a.spec:  # test_jit compiles it into a cache folder of its own
@@ -147,9 +152,17 @@ def main():
             stl, ldl = spill_code(lines)
             gmma, alone = wgmma_waits(lines)
             wg = f", {gmma} HGMMA ({alone} waited on alone{': SERIALISED' if gmma > 4 and alone == gmma else ''})" if gmma else ""
-            n, lstl, lldl = chunk_loop(lines)
-            loop = f"; chunk loop {n}, spill code {lstl} STL, {lldl} LDL" if n and region != "prologue" else ""
+            body = chunk_loop(lines)
+            lstl, lldl = spill_code(body)
+            loop = f"; chunk loop {len(body)}, spill code {lstl} STL, {lldl} LDL" if body and region != "prologue" else ""
             print(f"  {region:13s} {len(lines):6d} instructions, spill code: {stl} STL, {ldl} LDL{wg}{loop}")
+            if a.loop and region == a.loop + " warps":
+                listing.append((name, body))
+    for name, body in listing:  # (after the summaries: which instruction waits for which, e.g. loads and their uses)
+        print(f"\n{name}: {a.loop} warps' chunk loop")
+        for line in body:
+            m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?)\s*(?:/\*.*)?$", line)
+            print(f"  {m.group(1)}  {m.group(2)}" if m else line)
     return status
 
 
