@@ -306,6 +306,32 @@ def varlen_cu(total, n, seed):
     return [0] + cuts + [total]
 
 
+def fla_configs():
+    """The config each of FLA's autotuned kernels chose at its latest call (Triton's
+    Autotuner.best_config), as 'kernel: config' lines. FLA's time for a shape has moved by up to
+    1.6x from one run to the next (B1 T8192 H32 1.08 or 1.55 ms, K=V=64 1.06 or 1.70; H200,
+    2026-11-29/30), each run a fresh process that autotunes afresh; these lines say whether the
+    slow runs chose other configs. Best effort: any failure gives the reason instead."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+        out = set()
+        for name, mod in list(sys.modules.items()):
+            if not name.startswith("fla.ops") or mod is None:
+                continue
+            for obj in list(vars(mod).values()):
+                for _ in range(4):  # through wrappers such as triton.heuristics (their .fn)
+                    if isinstance(obj, Autotuner) or obj is None:
+                        break
+                    obj = getattr(obj, "fn", None)
+                cfg = getattr(obj, "best_config", None) if isinstance(obj, Autotuner) else None
+                if cfg is not None:  # (obj.fn: the JITFunction; its .fn the Python function)
+                    fn = getattr(obj, "fn", None)
+                    out.add(f"{getattr(getattr(fn, 'fn', fn), '__name__', '?')}: {cfg}")
+        return sorted(out)
+    except Exception as e:  # a diagnostic: never the benchmark's failure
+        return [f"(no configs: {type(e).__name__}: {e})"]
+
+
 def git_commit():
     try:
         return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -467,6 +493,8 @@ def main_gpu(args):
                 a, b = a.double(), b.double()
                 return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
+            for line in fla_configs():
+                print(f"{label}: FLA config {line}", flush=True)
             eo, eh = ratio(o_kda, o_fla), ratio(ht_kda, ht_fla)
             bad = not (math.isfinite(eo) and math.isfinite(eh)) or eo > args.tol or eh > args.tol
             print(f"{label}: err o {eo:.3e}  err ht {eh:.3e}" + ("  <-- ABOVE %g" % args.tol if bad else ""),
