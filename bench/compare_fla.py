@@ -493,7 +493,8 @@ def main_gpu(args):
                 a, b = a.double(), b.double()
                 return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
-            for line in fla_configs():
+            cfgs = fla_configs()
+            for line in cfgs:
                 print(f"{label}: FLA config {line}", flush=True)
             eo, eh = ratio(o_kda, o_fla), ratio(ht_kda, ht_fla)
             bad = not (math.isfinite(eo) and math.isfinite(eh)) or eo > args.tol or eh > args.tol
@@ -520,7 +521,7 @@ def main_gpu(args):
                   f"roofline {roof_ms * 1e3:.0f} us -> kda {roof_ms / kda_ms:.1%}, FLA {roof_ms / fla_ms:.1%}",
                   flush=True)
         return dict(label=label, kda_ms=kda_ms, fla_ms=fla_ms, eo=eo, eh=eh, bad=bad, gb=nbytes / 1e9,
-                    roof_ms=roof_ms)
+                    roof_ms=roof_ms, cfgs=cfgs)
 
     rows, failed = [], False
     for kind, shape in cases:
@@ -569,6 +570,10 @@ def main_gpu(args):
     if valid and not args.no_bench:
         gm = math.exp(sum(math.log(r["fla_ms"] / r["kda_ms"]) for r in valid) / len(valid))
         lines.append(f"| geomean | | | {gm:.2f}x | | | | | |")
+    # FLA's configs beside its times: a slow FLA run can then be told from a fast one by them
+    cfg = [f"- {r['label']}: " + "; ".join(r["cfgs"]) for r in rows if r.get("cfgs")]
+    if cfg:
+        lines += ["", "FLA's autotuned configs (Triton's best_config after each shape's first call):", ""] + cfg
     md = "\n".join(head + lines) + "\n"
     print()
     print(md)
