@@ -309,10 +309,10 @@ def varlen_cu(total, n, seed):
 def fla_configs():
     """The config each of FLA's autotuned kernels chose at its latest call (Triton's
     Autotuner.best_config), as 'kernel: config' lines. FLA's time for a shape has moved by up to
-    1.7x from one run to the next (B1 T8192 H32 1.08, 1.55 or 1.79 ms, K=V=64 1.06 to 1.70; H200,
-    2026-11-29/30), each run a fresh process that autotunes afresh; these lines say whether the
-    slow runs chose other configs (at 1.08 and 1.79 ms its state kernel's was the same). Best
-    effort: any failure gives the reason instead."""
+    1.7x from one run to the next (B1 T8192 H32 1.08, 1.45, 1.55 or 1.79 ms, K=V=64 1.06 to 1.70;
+    H200, 2026-11-29/30), each run a fresh process that autotunes afresh; these lines say whether
+    the slow runs chose other configs (at 1.08, 1.45 and 1.79 ms its state kernel's was the same).
+    Best effort: any failure gives the reason instead."""
     try:
         from triton.runtime.autotuner import Autotuner
         out = set()
