@@ -136,8 +136,8 @@ const char *kda_last_error(const kda_context *ctx);
 const char *kda_status_string(kda_status s);
 
 /* Caller-provided workspace, used by every later call. A call whose need
- * (kda_*_workspace_size) exceeds it fails with KDA_ERROR_OUT_OF_MEMORY and says
- * how much it needs. With none set (ptr NULL), each call allocates what it needs
+ * (kda_*_workspace_size; the forward's on this context: kda_chunk_fwd_workspace)
+ * exceeds it fails with KDA_ERROR_OUT_OF_MEMORY and says how much it needs. With none set (ptr NULL), each call allocates what it needs
  * through the context's allocator and frees it before returning. The fused GPU
  * forward splits long sequences into segments (small B*H) as far as the workspace
  * holds their states; a smaller one runs it with fewer segments, never fails it.
@@ -244,7 +244,7 @@ typedef struct kda_fwd_outputs {
      * must be NULL in this form (the backward has no pool form); h may be asked for. The CUDA
      * backend gathers the sequences' states into fp32 in the workspace before the forward and
      * puts them back after it (a bf16 pool: rounded once): N*HV*K*V*4 + 256 bytes more than
-     * kda_fwd_workspace_size. */
+     * kda_fwd_workspace_size (kda_chunk_fwd_workspace counts them). */
     float *state_pool;
     const int32_t *slots;    /* [N], in the backend's memory */
     int num_slots;
@@ -323,6 +323,16 @@ size_t kda_fwd_saved_size(const kda_problem *p);
 size_t kda_fwd_workspace_size(const kda_problem *p);
 size_t kda_bwd_workspace_size(const kda_problem *p, int have_saved);
 size_t kda_recurrent_workspace_size(const kda_problem *p);
+/* Bytes of workspace kda_chunk_fwd needs on ctx for p and outputs of out's form (which of h,
+ * saved and state_pool it sets; its pointers are not read; NULL: o and ht alone), where the
+ * above is the staged kernels' need on any backend. The fused GPU forward needs only its
+ * tables and the states of the pieces it splits long sequences into: B8 T4096 H16
+ * K = V = 128 about 1 KB and B1 T8192 H32 tens of MiB, where kda_fwd_workspace_size says
+ * 3.2 and 1.6 GB. A workspace this size runs the plan the forward picks with its own (full
+ * speed); a smaller one still runs, with fewer pieces. Varlen: cu_seqlens_host, a host copy
+ * of cu_seqlens, gives the need of those lengths; NULL, a bound over every cu_seqlens. */
+kda_status kda_chunk_fwd_workspace(kda_context *ctx, const kda_problem *p, const kda_fwd_outputs *out,
+                                   const void *cu_seqlens_host, size_t *bytes);
 
 /* ---------------------------------------------------------------------------
  * Stages. The chunked forward and backward are sequences of the stages below
@@ -1110,10 +1120,10 @@ kda_status kda_problem_check(kda_context *ctx, const kda_problem *p) {
     return s;
 }
 
+static kda_status kda__check_cu(kda_context *ctx, const kda_problem *p, const void *cu);
 /* Checks the inputs every op reads; cu is the host copy of cu_seqlens (varlen). */
 static kda_status kda__check_inputs(kda_context *ctx, const kda_problem *p, const kda_inputs *in, int need_h0_ok,
                                     const void *cu) {
-    int n;
     KDA__REQ(in != NULL, "inputs: NULL pointer");
     KDA__REQ(in->q && in->k && in->v && in->g && in->beta,
              "inputs: q, k, v, g and beta are required (got q=%p k=%p v=%p g=%p beta=%p)",
@@ -1128,7 +1138,11 @@ static kda_status kda__check_inputs(kda_context *ctx, const kda_problem *p, cons
         return KDA_OK;
     }
     KDA__REQ(in->cu_seqlens, "inputs: cu_seqlens is required when problem.num_seqs=%d > 0", p->num_seqs);
-    if (!cu) return KDA_OK; /* values checked once the host copy is there */
+    return cu ? kda__check_cu(ctx, p, cu) : KDA_OK; /* values checked once the host copy is there */
+}
+/* Checks the values of cu (varlen: the host copy of cu_seqlens) */
+static kda_status kda__check_cu(kda_context *ctx, const kda_problem *p, const void *cu) {
+    int n;
     KDA__REQ(kda__cu(p, cu, 0) == 0, "inputs: cu_seqlens[0]=%lld must be 0", kda__cu(p, cu, 0));
     for (n = 0; n < p->num_seqs; n++) {
         long long a = kda__cu(p, cu, n), b = kda__cu(p, cu, n + 1);
@@ -4385,20 +4399,36 @@ static kda_status kda__pool_convert(kda_context *ctx, kda__cpu *c, void *ws, int
     return ctx->dev->launch(ctx, k, grid, &a);
 }
 
+/* The fused forward's workspace: fixed bytes whatever the plan, and a piece's bytes in a split.
+ * A split keeps, per piece and value head, its end state and transition ([V + K][K],
+ * fz_trans), its start state ([V][K], fz_start) and the bounded split's flag (fz_flags, then
+ * one int, fz_redo); a piece table takes 3 ints a piece and one a sequence (two tables where
+ * the exact passes cut otherwise), and slack the alignment of those four buffers. A workspace
+ * of W bytes holds (W - fixed) / piece pieces, so fixed + P * piece holds any plan of P pieces
+ * or fewer, whichever of the two tables and passes they go to. */
+typedef struct {
+    size_t tb, trans, start, flags, slack, fixed, piece;
+} kda__fz_mem;
+static kda__fz_mem kda__fz_mem_of(const kda_problem *p, long long N, long long warm, size_t front) {
+    kda__fz_mem m;
+    m.tb = kda__tables_size(p);
+    m.trans = (size_t)p->HV * (p->V + p->K) * p->K * sizeof(float);
+    m.start = (size_t)p->HV * p->V * p->K * sizeof(float);
+    m.flags = warm >= 0 ? (size_t)p->HV * sizeof(int) : 0;
+    m.slack = 1280;
+    m.fixed = front + m.tb + m.slack + sizeof(int) * (2 * (size_t)(N + 2) + 1);
+    m.piece = m.trans + m.start + m.flags + 6 * sizeof(int);
+    return m;
+}
+
 static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_problem *p, const kda_fwd_outputs *out,
                                  const kda__kdesc *kf) {
     const kda__kdesc *kc = kda__kernel_find(ctx, KDA__STAGE_FWD_COMBINE, p);
     const kda__kdesc *kb = kc ? kda__kernel_find(ctx, KDA__STAGE_FWD_BOUND, p) : NULL; /* the warm-ups' check */
     /* the bounded split where it applies and was rendered */
     long long N = c->s.N, nvb, nve, ncb, warm = kda__fused_bounded(kf) ? kda__fused_warmup(p) : -1;
-    /* a split keeps, per piece and value head, its end state and transition ([V + K][K],
-     * fz_trans), its start state ([V][K], fz_start) and the bounded split's flag (fz_flags,
-     * then one int, fz_redo); a piece table takes 3 ints a piece and one a sequence (two
-     * tables where the exact passes cut otherwise), and slack the alignment of those four buffers */
-    size_t tb = kda__tables_size(p), trans = (size_t)p->HV * (p->V + p->K) * p->K * sizeof(float),
-           start = (size_t)p->HV * p->V * p->K * sizeof(float), flags = warm >= 0 ? (size_t)p->HV * sizeof(int) : 0,
-           slack = 1280, fixed = c->ws_front + tb + slack + sizeof(int) * (2 * (size_t)(N + 2) + 1), bt = 0, bs = 0, bf = 0, tp = 0,
-           te = 0;
+    const kda__fz_mem m = kda__fz_mem_of(p, N, warm, c->ws_front);
+    size_t bt = 0, bs = 0, bf = 0, tp = 0, te = 0;
     long long cap = LLONG_MAX;
     unsigned grid[3];
     void *ws = NULL;
@@ -4414,8 +4444,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     if (!kc || !kb) return KDA_ERROR_UNSUPPORTED;
     if (kda__fz_maxnch(c->s.len, N) == 0) return KDA_OK;
     /* a caller's workspace bounds the pieces */
-    if (ctx->workspace)
-        cap = ctx->workspace_size > fixed ? (long long)((ctx->workspace_size - fixed) / (trans + start + flags + 6 * sizeof(int))) : 0;
+    if (ctx->workspace) cap = ctx->workspace_size > m.fixed ? (long long)((ctx->workspace_size - m.fixed) / m.piece) : 0;
     kf = kda__fused_memo(ctx, p, kf, c->s.len, N, cap, warm, &pl, &pe, &ke, &s);
     if (s) return s;
     nvb = kda__fused_vblocks(kf, p);
@@ -4425,8 +4454,8 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     if (pl.np <= N) pe = pl, ke = kf; /* no split: whole sequences in the output pass */
     else if (ke != kf) pairs = kda__fused_pairs(ctx, ke, p, 0); /* the exact passes in a tile of their own */
     nve = kda__fused_vblocks(ke, p);
-    if (pl.np > N && flags) bf = (size_t)pl.np * flags + sizeof(int); /* and fz_redo */
-    if (pe.np > N) bt = (size_t)pe.np * trans, bs = (size_t)pe.np * start;
+    if (pl.np > N && m.flags) bf = (size_t)pl.np * m.flags + sizeof(int); /* and fz_redo */
+    if (pe.np > N) bt = (size_t)pe.np * m.trans, bs = (size_t)pe.np * m.start;
     if (pl.tab) tp = sizeof(int) * KDA__FZ_TAB(pl.np, N);
     if (pe.tab && pe.tab != pl.tab) te = sizeof(int) * KDA__FZ_TAB(pe.np, N); /* (right after pl.tab) */
     if (cap < LLONG_MAX) kda__log(ctx, "%s: the caller's workspace holds %lld piece(s)", kf->name, cap);
@@ -4435,13 +4464,13 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     if (pl.np > N && warm >= 0)
         kda__log(ctx, "%s: where a bound fails, the exact split in %lld piece(s), at most %lld a sequence", ke->name, pe.np, pe.nseg);
     if (pe.np > N && pe.lead > 0) kda__log(ctx, "%s: the exact split's first pieces %lld chunks longer", ke->name, pe.lead);
-    if ((s = kda__ws_acquire(ctx, c->ws_front + tb + slack + bt + bs + bf + tp + te, &ws, &owned))) goto done;
+    if ((s = kda__ws_acquire(ctx, c->ws_front + m.tb + m.slack + bt + bs + bf + tp + te, &ws, &owned))) goto done;
     if ((s = kda__pool_convert(ctx, c, ws, KDA__STAGE_POOL_WIDEN))) goto done;
     if ((s = kda__tables_upload(ctx, c, (char *)ws + c->ws_front))) goto done;
     c->ht = out->ht;
     c->o = out->o;
     kda__kparams_fill(&a, c);
-    at = (char *)ws + c->ws_front + tb;
+    at = (char *)ws + c->ws_front + m.tb;
 #define KDA__FZ_BUF(bytes) (at = (char *)(((uintptr_t)at + 255) & ~(uintptr_t)255), at += (bytes), at - (bytes))
     /* the tables, in one copy (pageable: staged before it returns, so they can go) */
     if (tp && (s = ctx->dev->copy(ctx, (void *)(a.fz_piece = (const int *)KDA__FZ_BUF(tp + te)), pl.tab, tp + te, KDA__H2D))) goto done;
@@ -4487,6 +4516,59 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
 done:
     kda__ws_release(ctx, ws, owned);
     return s;
+}
+
+/* The fused forward's workspace for the plan it takes without a caller's workspace
+ * (kda_chunk_fwd_workspace); cu: varlen's host copy of cu_seqlens, NULL for a bound over any */
+static kda_status kda__fused_need(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const void *cu, size_t front,
+                                  size_t *bytes) {
+    const long long N = kda_num_seqs(p), warm = kda__fused_bounded(kf) ? kda__fused_warmup(p) : -1;
+    const kda__fz_mem m = kda__fz_mem_of(p, N, warm, front);
+    long long P = 0; /* the pieces of a split (0: none) */
+    kda_status st = KDA_OK;
+    if (p->num_seqs > 0 && !cu) {
+        /* kda__fused_plan's cuts split only into at most 4 blocks a multiprocessor, of HV or
+         * more blocks a piece, and its column plan makes at most N pieces plus a column each */
+        const int sms = ctx->dev->sm_count ? ctx->dev->sm_count(ctx) : 0;
+        P = N + 4LL * (sms > 0 ? sms : 1) / p->HV;
+    } else {
+        kda__seqs s;
+        kda__fz_plan pl, pe;
+        const kda__kdesc *ke;
+        if ((st = kda__seqs_build(ctx, p, cu, &s))) return st;
+        if (kda__fz_maxnch(s.len, N) > 0 && kda__fused_memo(ctx, p, kf, s.len, N, LLONG_MAX, warm, &pl, &pe, &ke, &st) && !st) {
+            if (pl.np > N) P = pl.np;
+            if (pe.np > N && pe.np > P) P = pe.np;
+        }
+        kda__seqs_free(ctx, &s);
+        if (st) return st;
+    }
+    *bytes = m.fixed + (size_t)P * m.piece;
+    return KDA_OK;
+}
+
+kda_status kda_chunk_fwd_workspace(kda_context *ctx, const kda_problem *p, const kda_fwd_outputs *out,
+                                   const void *cu_seqlens_host, size_t *bytes) {
+    kda_fwd_outputs none;
+    const kda__kdesc *kf;
+    size_t front;
+    kda_status s;
+    if (!ctx) return KDA_ERROR_INVALID_ARGUMENT;
+    ctx->err[0] = 0;
+    if (!bytes) return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "kda_chunk_fwd_workspace: bytes is required");
+    *bytes = 0;
+    if ((s = kda__check_problem(ctx, p))) return s;
+    if (cu_seqlens_host && p->num_seqs == 0)
+        return kda__fail(ctx, KDA_ERROR_INVALID_ARGUMENT, "kda_chunk_fwd_workspace: cu_seqlens_host given but problem.num_seqs is 0 (fixed length)");
+    if (cu_seqlens_host && (s = kda__check_cu(ctx, p, cu_seqlens_host))) return s;
+    if (!out) {
+        memset(&none, 0, sizeof none);
+        out = &none;
+    }
+    front = out->state_pool && kda__on_device(ctx) ? kda__pool_f32_size(p) : 0;
+    if ((kf = kda__fused_wanted(ctx, p, out))) return kda__fused_need(ctx, p, kf, cu_seqlens_host, front, bytes);
+    *bytes = front + kda__tables_size(p) + (out->saved ? 0 : kda_work_layout(p, KDA_WORK_FWD, NULL, NULL));
+    return KDA_OK;
 }
 
 /* Ascending order of 64-bit keys (kda__check_pool's (slot, sequence) pairs) */

@@ -90,6 +90,7 @@ def load_lib(path):
         "kda_problem_default": (KdaProblem, [C.c_int] * 5),
         "kda_problem_check": (C.c_int, [C.c_void_p, P]),
         "kda_fwd_workspace_size": (C.c_size_t, [P]),
+        "kda_chunk_fwd_workspace": (C.c_int, [C.c_void_p, P, O, C.c_void_p, C.POINTER(C.c_size_t)]),
         "kda_warmup": (C.c_int, [C.c_void_p, P]),
         "kda_chunk_fwd": (C.c_int, [C.c_void_p, P, I, O]),
         "kda_synchronize": (C.c_int, [C.c_void_p]),
@@ -262,7 +263,14 @@ def selftest_cpu(args):
             inp.cu_seqlens = inp.cu_seqlens_host = cu_arr.ctypes.data
         out = KdaFwdOutputs()
         out.o, out.ht = o.ctypes.data, ht.ctypes.data
-        ws_bytes = lib.kda_fwd_workspace_size(C.byref(p))
+        need = C.c_size_t(0)
+        ctx.check(lib.kda_chunk_fwd_workspace(ctx.h, C.byref(p), C.byref(out), inp.cu_seqlens_host, C.byref(need)),
+                  "kda_chunk_fwd_workspace")
+        ws_bytes = need.value
+        if ws_bytes != lib.kda_fwd_workspace_size(C.byref(p)):   # the CPU runs the staged forward
+            ok = False
+            print(f"{name}: kda_chunk_fwd_workspace {ws_bytes} B, kda_fwd_workspace_size "
+                  f"{lib.kda_fwd_workspace_size(C.byref(p))} B")
         ws = np.empty(ws_bytes, np.uint8)
         lib.kda_set_workspace(ctx.h, ws.ctypes.data, ws_bytes)
         ctx.check(lib.kda_warmup(ctx.h, C.byref(p)), "kda_warmup")
@@ -450,7 +458,11 @@ def main_gpu(args):
             inp.cu_seqlens_host = cu_cpu.data_ptr()   # host copy: no read-back, no stream wait
         out = KdaFwdOutputs()
         out.o, out.ht = o_kda.data_ptr(), ht_kda.data_ptr()
-        ws_bytes = lib.kda_fwd_workspace_size(C.byref(p))
+        need = C.c_size_t(0)   # the fused forward's need (its pieces' states), not the staged one's GBs
+        ctx.check(lib.kda_chunk_fwd_workspace(ctx.h, C.byref(p), C.byref(out),
+                                              None if cu is None else cu_cpu.data_ptr(), C.byref(need)),
+                  "kda_chunk_fwd_workspace")
+        ws_bytes = need.value
         ws = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=dev)
         lib.kda_set_workspace(ctx.h, C.c_void_p(ws.data_ptr()), ws_bytes)
         lib.kda_set_stream(ctx.h, C.c_void_p(torch.cuda.current_stream().cuda_stream))

@@ -430,7 +430,9 @@ static void test_small_workspace_fails_with_both_sizes_and_none_recovers(void) {
     t_current = "test_small_workspace_fails_with_both_sizes_and_none_recovers";
     env_reset(&e, MODE_FIXED);
     e.fo.saved = NULL; /* the forward's work then lives in the workspace */
-    need_f = kda_fwd_workspace_size(&e.p);
+    s = kda_chunk_fwd_workspace(ctx, &e.p, &e.fo, NULL, &need_f);
+    CHECK(s == KDA_OK && need_f == kda_fwd_workspace_size(&e.p), "kda_chunk_fwd_workspace on the CPU: %s, %zu bytes, "
+          "kda_fwd_workspace_size %zu", kda_status_string(s), need_f, kda_fwd_workspace_size(&e.p));
     need_b = kda_bwd_workspace_size(&e.p, 0);
     big = need_f > need_b ? need_f : need_b;
     CHECK(need_f > 0 && need_b > 0, "workspace sizes %zu %zu", need_f, need_b);
@@ -461,6 +463,45 @@ static void test_small_workspace_fails_with_both_sizes_and_none_recovers(void) {
         CHECK(kda_last_error(ctx)[0] == 0, "%s: last error not cleared", op_name(op));
     }
     free(ws);
+    kda_context_destroy(ctx);
+}
+
+/* kda_chunk_fwd_workspace follows the outputs' form (saved: the forward's work lives there;
+ * the pool form on the CPU: no copy of the states), reads cu_seqlens_host where given, and
+ * rejects what kda_chunk_fwd would, with the reason */
+static void test_fwd_workspace_query_follows_the_outputs_and_checks_its_arguments(void) {
+    kda_context *ctx = t_cpu();
+    env e;
+    size_t b = 1, plain;
+    kda_status s;
+    t_current = "test_fwd_workspace_query_follows_the_outputs_and_checks_its_arguments";
+    env_reset(&e, MODE_VARLEN);
+    plain = kda_fwd_workspace_size(&e.p);
+    s = kda_chunk_fwd_workspace(ctx, &e.p, NULL, NULL, &b);
+    CHECK(s == KDA_OK && b == plain, "no outputs given: %s, %zu bytes, want %zu", kda_status_string(s), b, plain);
+    s = kda_chunk_fwd_workspace(ctx, &e.p, &e.fo, e.cu32, &b); /* (e.fo has saved) */
+    CHECK(s == KDA_OK && b > 0 && b < plain, "with saved: %s, %zu bytes, want the tables alone (< %zu)", kda_status_string(s), b, plain);
+    e.fo.saved = NULL;
+    kda_set_workspace(ctx, SAVED, b); /* (the saved buffer, bigger than b) */
+    s = kda_chunk_fwd(ctx, &e.p, &e.in, &e.fo);
+    CHECK(s == KDA_ERROR_OUT_OF_MEMORY, "the tables' workspace without saved: %s", kda_status_string(s));
+    kda_set_workspace(ctx, NULL, 0);
+    env_reset(&e, MODE_POOL);
+    s = kda_chunk_fwd_workspace(ctx, &e.p, &e.fo, NULL, &b);
+    CHECK(s == KDA_OK && b == kda_fwd_workspace_size(&e.p), "pool form on the CPU: %s, %zu bytes, want %zu", kda_status_string(s), b,
+          kda_fwd_workspace_size(&e.p));
+    env_reset(&e, MODE_FIXED);
+    poison_all();
+    s = kda_chunk_fwd_workspace(ctx, &e.p, &e.fo, NULL, NULL);
+    check_rejected(ctx, "bytes NULL", s, KDA_ERROR_INVALID_ARGUMENT, "w:bytes");
+    e.p.chunk_size = 48;
+    s = kda_chunk_fwd_workspace(ctx, &e.p, &e.fo, NULL, &b);
+    check_rejected(ctx, "chunk 48", s, KDA_ERROR_INVALID_ARGUMENT, "chunk_size=48");
+    CHECK(b == 0, "chunk 48: %zu bytes, want 0", b);
+    env_reset(&e, MODE_VARLEN);
+    e.cu32[2] = 39;
+    s = kda_chunk_fwd_workspace(ctx, &e.p, &e.fo, e.cu32, &b);
+    check_rejected(ctx, "cu_seqlens_host ending at 39", s, KDA_ERROR_INVALID_ARGUMENT, "cu_seqlens[2]=39|T=40");
     kda_context_destroy(ctx);
 }
 
@@ -657,6 +698,7 @@ int main(void) {
     test_problem_check_follows_dtype_rules();
     test_recurrent_ignores_chunk_size();
     test_small_workspace_fails_with_both_sizes_and_none_recovers();
+    test_fwd_workspace_query_follows_the_outputs_and_checks_its_arguments();
     test_context_create_rejects_cuda_here_and_bogus_backend();
     test_stage_functions_reject_null_work();
     test_success_after_failure_clears_last_error();

@@ -1130,6 +1130,14 @@ static void kimi_gates(t_inst &I, int HV, int K, Uni &uni) {
     }
     for (size_t i = 0; i < I.ng; i++) I.g[i] = (float)t_randn();
 }
+// A fixed-length problem's inputs with Kimi Linear's initialised gates and uniform betas, on the device
+static void kimi_inputs(t_inst &I, DevIn &X, const kda_problem &p0, unsigned seed) {
+    t_inst_init(&I, &p0, NULL, 1, 0);
+    Uni uni{seed};
+    kimi_gates(I, p0.HV, p0.K, uni);
+    for (size_t i = 0; i < I.nb; i++) I.beta[i] = (float)uni();
+    dev_inputs(X, I);
+}
 
 // fwd_bound flags a piece exactly where its warm-up's bound B (the sum over its tokens of the
 // largest gate, base 2) exceeds -24: each gate form and g dtype, per-channel biases, K that
@@ -1436,12 +1444,8 @@ static void run_fused_failed_bounds_redone_in_the_exact_tile() {
     kda_problem p0 = kda_problem_default(1, 320, 1, 128, 256);
     p0.dtype = KDA_BF16; p0.qk_l2norm = 1; p0.gate = KDA_GATE_SOFTPLUS;
     t_inst I;
-    t_inst_init(&I, &p0, NULL, 1, 0);
-    Uni uni{777u};
-    kimi_gates(I, 1, 128, uni);
-    for (size_t i = 0; i < I.nb; i++) I.beta[i] = (float)uni();
     DevIn X;
-    dev_inputs(X, I);
+    kimi_inputs(I, X, p0, 777u);
     const size_t ob = I.nv * kda_dtype_size(I.p.dtype);
     Out o[2], ht[2];
     int bv[2] = {0, 0};
@@ -1465,6 +1469,121 @@ static void run_fused_failed_bounds_redone_in_the_exact_tile() {
     CHECK(bv[0] == 64 && bv[1] == 64, "exact tile e2e: the output pass's tile %d after the bounded split, %d alone (want 64)", bv[0], bv[1]);
     CHECK(!memcmp(o[0].h.data(), o[1].h.data(), ob) && !memcmp(ht[0].h.data(), ht[1].h.data(), I.ns * 4),
           "exact tile e2e: o and ht after the failed bounded split are not the exact split's");
+    dfree_all();
+    t_inst_free(&I);
+    kda_context_destroy(ctx);
+}
+
+// kda_chunk_fwd_workspace (host only, 132 multiprocessors): the fused forward's need is the
+// plans' pieces' states, not the staged kernels' GBs, and is tight: a workspace of that many
+// bytes gives the plans the forward makes with its own (same tiles, pieces and cuts), one byte
+// less loses a piece. Shapes of the benchmark: the exact split (B1 T8192 H32, no l2norm), the
+// bounded split and its exact passes, no split (B8: the tables' slack alone), V = 256, and a
+// varlen batch, whose bound over every cu_seqlens holds 200 random batches' needs.
+static void run_fused_workspace_query_is_the_plans_need() {
+    t_current = "fused";
+    kda_context *ctx = emu_ctx_sms(132, "workspace query");
+    if (!ctx) return;
+    struct Shape { int B, T, H, K, V, l2, nseq; bool split; } shapes[] = {
+        {1, 8192, 32, 128, 128, 0, 0, true}, {1, 8192, 32, 128, 128, 1, 0, true}, {8, 4096, 16, 128, 128, 1, 0, false},
+        {2, 8192, 16, 128, 256, 1, 0, true}, {1, 32768, 16, 128, 128, 1, 8, true},
+    };
+    Uni uni{4242u};
+    for (const Shape &sh : shapes) {
+        kda_problem p = kda_problem_default(sh.B, sh.T, sh.H, sh.K, sh.V);
+        p.dtype = KDA_BF16; p.qk_l2norm = sh.l2; p.num_seqs = sh.nseq; p.seqlens_type = KDA_INDEX_I64;
+        const long long N = kda_num_seqs(&p);
+        std::vector<long long> cu((size_t)N + 1, 0), len((size_t)N, sh.T);
+        if (sh.nseq) { // the benchmark's varlen batch: lengths in ratio 1..8
+            for (long long n = 0; n < N; n++) cu[(size_t)n + 1] = cu[(size_t)n] + (n + 1) * sh.T / 36;
+            cu[(size_t)N] = sh.T;
+            for (long long n = 0; n < N; n++) len[(size_t)n] = cu[(size_t)n + 1] - cu[(size_t)n];
+        }
+        char name[96];
+        snprintf(name, sizeof name, "workspace query B%d T%d H%d K%d V%d l2norm %d varlen %d", sh.B, sh.T, sh.H, sh.K, sh.V, sh.l2, sh.nseq);
+        kda_fwd_outputs out;
+        memset(&out, 0, sizeof out);
+        const kda__kdesc *kf = kda__fused_wanted(ctx, &p, &out);
+        size_t q = 0;
+        CHECK(kf && kda_chunk_fwd_workspace(ctx, &p, &out, sh.nseq ? cu.data() : NULL, &q) == KDA_OK, "%s: %s", name, kda_last_error(ctx));
+        if (!kf) continue;
+        const long long warm = kda__fused_bounded(kf) ? kda__fused_warmup(&p) : -1;
+        const kda__fz_mem m = kda__fz_mem_of(&p, N, warm, 0);
+        CHECK(q >= m.fixed && (q - m.fixed) % m.piece == 0, "%s: %zu bytes, not %zu and whole pieces of %zu", name, q, m.fixed, m.piece);
+        const long long P = (long long)((q - m.fixed) / m.piece);
+        CHECK(sh.split ? P > 0 && q < kda_fwd_workspace_size(&p) / 20 : q == m.fixed,
+              "%s: %zu bytes (%lld pieces), the staged need %zu", name, q, P, kda_fwd_workspace_size(&p));
+        kda__fz_plan pl[3], pe[3];
+        const kda__kdesc *k[3], *ke[3];
+        const long long caps[3] = {LLONG_MAX, P, P - 1};
+        for (int c = 0; c < (P > 0 ? 3 : 2); c++) {
+            kda_status st = KDA_OK;
+            memset(&pl[c], 0, sizeof pl[c]); memset(&pe[c], 0, sizeof pe[c]);
+            k[c] = kda__fused_variant(ctx, &p, kf, len.data(), N, caps[c], warm, &pl[c], &pe[c], &ke[c], &st);
+            CHECK(k[c] && st == KDA_OK, "%s: the plan with a cap of %lld: %s", name, caps[c], kda_last_error(ctx));
+        }
+        if (!k[0] || !k[1]) continue;
+        const long long most = std::max(pl[0].np > N ? pl[0].np : 0, pe[0].np > N ? pe[0].np : 0);
+        CHECK(most == P, "%s: the plans' pieces %lld and %lld, the query's %lld", name, pl[0].np, pe[0].np, P);
+        CHECK(k[1] == k[0] && ke[1] == ke[0] && pl[1].np == pl[0].np && pe[1].np == pe[0].np && pl[1].cand == pl[0].cand &&
+                  pe[1].cand == pe[0].cand && pl[1].lead == pl[0].lead && pe[1].lead == pe[0].lead && pl[1].cols == pl[0].cols,
+              "%s: a workspace of the query's bytes plans %s in %lld/%lld pieces, its own %s in %lld/%lld", name, k[1]->name, pl[1].np,
+              pe[1].np, k[0]->name, pl[0].np, pe[0].np);
+        if (P > 0 && k[2])
+            CHECK(std::max(pl[2].np, pe[2].np) < P || (pl[2].np <= N && pe[2].np <= N), "%s: one byte less still plans %lld/%lld pieces",
+                  name, pl[2].np, pe[2].np);
+        for (int c = 0; c < (P > 0 ? 3 : 2); c++)
+            if (k[c]) kda__fused_drop(ctx, &pl[c], &pe[c]);
+        if (!sh.nseq) continue;
+        size_t any = 0;
+        CHECK(kda_chunk_fwd_workspace(ctx, &p, &out, NULL, &any) == KDA_OK && any >= q, "%s: the bound over any lengths %zu < %zu", name,
+              any, q);
+        for (int r = 0; r < 200; r++) { // random batches of the same shape: cuts of T at N - 1 random points
+            std::vector<long long> c2((size_t)N + 1, 0);
+            for (long long n = 1; n < N; n++) c2[(size_t)n] = (long long)(uni() * sh.T);
+            c2[(size_t)N] = sh.T;
+            std::sort(c2.begin(), c2.end());
+            size_t q2 = 0;
+            CHECK(kda_chunk_fwd_workspace(ctx, &p, &out, c2.data(), &q2) == KDA_OK && q2 <= any,
+                  "%s: random batch %d needs %zu, over the bound %zu (%s)", name, r, q2, any, kda_last_error(ctx));
+        }
+    }
+    kda_context_destroy(ctx);
+}
+
+// End to end (6 multiprocessors, Kimi Linear's gates: the exact split): a caller's workspace
+// of kda_chunk_fwd_workspace's bytes runs the split the forward makes with its own, with
+// its bits.
+static void run_fused_runs_its_own_split_in_the_queried_workspace() {
+    t_current = "fused";
+    kda_context *ctx = emu_ctx_sms(6, "workspace query e2e");
+    if (!ctx) return;
+    kda_problem p0 = kda_problem_default(1, 512, 1, 64, 64);
+    p0.dtype = KDA_BF16; p0.gate = KDA_GATE_SOFTPLUS;
+    t_inst I;
+    DevIn X;
+    kimi_inputs(I, X, p0, 99u);
+    const size_t ob = I.nv * kda_dtype_size(I.p.dtype);
+    Out o[2], ht[2];
+    int nseg[2] = {0, 0};
+    size_t q = 0;
+    kda_fwd_outputs out;
+    memset(&out, 0, sizeof out);
+    CHECK(kda_chunk_fwd_workspace(ctx, &I.p, &out, NULL, &q) == KDA_OK, "workspace query e2e: %s", kda_last_error(ctx));
+    void *ws = dalloc(q);
+    for (int run = 0; run < 2; run++) { // the library's workspace, then the caller's of q bytes
+        o[run].init(ob); ht[run].init(I.ns * 4);
+        out.o = o[run].d, out.ht = (float *)ht[run].d;
+        kda_set_workspace(ctx, run ? ws : NULL, run ? q : 0);
+        CHECK(kda_chunk_fwd(ctx, &I.p, &X.dev, &out) == KDA_OK, "workspace query e2e: fwd %d: %s", run, kda_last_error(ctx));
+        nseg[run] = emu_fused_nseg;
+    }
+    kda_set_workspace(ctx, NULL, 0);
+    o[0].fetch(); o[1].fetch(); ht[0].fetch(); ht[1].fetch();
+    CHECK(nseg[0] > 1 && nseg[1] == nseg[0], "workspace query e2e: %d pieces with the library's workspace (want > 1), %d in %zu bytes",
+          nseg[0], nseg[1], q);
+    CHECK(!memcmp(o[0].h.data(), o[1].h.data(), ob) && !memcmp(ht[0].h.data(), ht[1].h.data(), I.ns * 4),
+          "workspace query e2e: o and ht in the queried workspace are not those in the library's");
     dfree_all();
     t_inst_free(&I);
     kda_context_destroy(ctx);
@@ -1963,6 +2082,7 @@ int main(int argc, char **argv) {
         if (!race) run_fused_column_plan_end_to_end(true);
 #ifdef KDA_TEST_EMU
         if (!race) run_fused_replans_for_new_lengths();
+        if (!race) run_fused_runs_its_own_split_in_the_queried_workspace();
         // (clusters of two 512-thread blocks, slow under the sanitizers: make test runs it)
         if (every) run_fused_failed_bounds_redone_in_the_exact_tile();
         if (!race) run_fused_bound_flags_match_the_warmup_sums(); // (values: the bounded splits above run both kernels)
@@ -1979,6 +2099,7 @@ int main(int argc, char **argv) {
         run_fused_exact_split_leads_with_a_longer_first_piece();
         run_fused_column_plan_pairs_long_pieces_with_short();
         run_fused_exact_passes_pick_their_own_tile();
+        run_fused_workspace_query_is_the_plans_need();
     }
 #endif
     kda_context_destroy(g_dev);
