@@ -4527,10 +4527,11 @@ static kda_status kda__fused_need(kda_context *ctx, const kda_problem *p, const 
     long long P = 0; /* the pieces of a split (0: none) */
     kda_status st = KDA_OK;
     if (p->num_seqs > 0 && !cu) {
-        /* kda__fused_plan's cuts split only into at most 4 blocks a multiprocessor, of HV or
-         * more blocks a piece, and its column plan makes at most N pieces plus a column each */
-        const int sms = ctx->dev->sm_count ? ctx->dev->sm_count(ctx) : 0;
-        P = N + 4LL * (sms > 0 ? sms : 1) / p->HV;
+        /* kda__fused_plan splits into at most 4 blocks a multiprocessor, of HV or more blocks a
+         * piece (so never N * HV beyond that), and its column plan into those N and a column's
+         * multiprocessors' worth more */
+        const long long sms = ctx->dev->sm_count && ctx->dev->sm_count(ctx) > 0 ? ctx->dev->sm_count(ctx) : 1;
+        P = N * p->HV <= 4 * sms ? 4 * sms / p->HV + sms / p->HV : 0;
     } else {
         kda__seqs s;
         kda__fz_plan pl, pe;
