@@ -1480,7 +1480,8 @@ static void run_fused_failed_bounds_redone_in_the_exact_tile() {
 // less loses a piece. Shapes of the benchmark: the exact split (B1 T8192 H32, no l2norm), the
 // bounded split and its exact passes, no split (B8: the tables' slack alone), V = 256, and two
 // varlen batches, whose bounds over every cu_seqlens hold 200 random batches' needs: 8
-// sequences, and 64, too many to split (the bound is the fixed part alone).
+// sequences, and 64, too many to split (the bound is the fixed part alone). The pool form
+// adds its states' fp32 copy; outputs that ask for h take the staged kernels' need.
 static void run_fused_workspace_query_is_the_plans_need() {
     t_current = "fused";
     kda_context *ctx = emu_ctx_sms(132, "workspace query");
@@ -1535,6 +1536,14 @@ static void run_fused_workspace_query_is_the_plans_need() {
                   name, pl[2].np, pe[2].np);
         for (int c = 0; c < (P > 0 ? 3 : 2); c++)
             if (k[c]) kda__fused_drop(ctx, &pl[c], &pe[c]);
+        // the pool form adds the states' fp32 copy; asking for h (the staged kernels) the staged need
+        kda_fwd_outputs pool = out, hs = out;
+        size_t qp = 0, qh = 0;
+        pool.state_pool = (float *)&qp, hs.h = (float *)&qh; // (the pointers are not read)
+        CHECK(kda_chunk_fwd_workspace(ctx, &p, &pool, sh.nseq ? cu.data() : NULL, &qp) == KDA_OK && qp == q + kda__pool_f32_size(&p),
+              "%s: the pool form needs %zu, want %zu + %zu", name, qp, q, kda__pool_f32_size(&p));
+        CHECK(kda_chunk_fwd_workspace(ctx, &p, &hs, sh.nseq ? cu.data() : NULL, &qh) == KDA_OK && qh == kda_fwd_workspace_size(&p),
+              "%s: with h (staged) %zu, want kda_fwd_workspace_size's %zu", name, qh, kda_fwd_workspace_size(&p));
         if (!sh.nseq) continue;
         size_t any = 0;
         CHECK(kda_chunk_fwd_workspace(ctx, &p, &out, NULL, &any) == KDA_OK && any >= q && (sh.split || any == m.fixed),
