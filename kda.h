@@ -137,8 +137,9 @@ const char *kda_status_string(kda_status s);
 
 /* Caller-provided workspace, used by every later call. A call whose need
  * (kda_*_workspace_size; the forward's on this context: kda_chunk_fwd_workspace)
- * exceeds it fails with KDA_ERROR_OUT_OF_MEMORY and says how much it needs. With none set (ptr NULL), each call allocates what it needs
- * through the context's allocator and frees it before returning. The fused GPU
+ * exceeds it fails with KDA_ERROR_OUT_OF_MEMORY and says how much it needs. With
+ * none set (ptr NULL), each call allocates what it needs through the context's
+ * allocator and frees it before returning. The fused GPU
  * forward splits long sequences into segments (small B*H) as far as the workspace
  * holds their states; a smaller one runs it with fewer segments, never fails it.
  * With qk_l2norm the split is bounded: a segment starts 16 chunks (KDA_WARMUP) early
