@@ -331,7 +331,8 @@ size_t kda_recurrent_workspace_size(const kda_problem *p);
  * K = V = 128 about 1 KB and B1 T8192 H32 tens of MiB, where kda_fwd_workspace_size says
  * 3.2 and 1.6 GB. A workspace this size runs the plan the forward picks with its own (full
  * speed); a smaller one still runs, with fewer pieces. Varlen: cu_seqlens_host, a host copy
- * of cu_seqlens, gives the need of those lengths; NULL, a bound over every cu_seqlens. */
+ * of cu_seqlens, gives the need of those lengths; NULL, a bound that holds every batch of up
+ * to num_seqs sequences and T tokens in all (one workspace for an engine's prefills). */
 kda_status kda_chunk_fwd_workspace(kda_context *ctx, const kda_problem *p, const kda_fwd_outputs *out,
                                    const void *cu_seqlens_host, size_t *bytes);
 
@@ -4528,11 +4529,12 @@ static kda_status kda__fused_need(kda_context *ctx, const kda_problem *p, const 
     long long P = 0; /* the pieces of a split (0: none) */
     kda_status st = KDA_OK;
     if (p->num_seqs > 0 && !cu) {
-        /* kda__fused_plan splits into at most 4 blocks a multiprocessor, of HV or more blocks a
-         * piece (so never N * HV beyond that), and its column plan into those N and a column's
-         * multiprocessors' worth more */
+        /* kda__fused_plan's cuts make at most 4 blocks a multiprocessor, of HV or more blocks a
+         * piece, and its column plan (only where the sequences' blocks are within that) adds
+         * a column's multiprocessors' worth: so at most 5 SMs / HV pieces for any batch of
+         * up to N sequences, which the fixed part (grown with N and T) holds too */
         const long long sms = ctx->dev->sm_count && ctx->dev->sm_count(ctx) > 0 ? ctx->dev->sm_count(ctx) : 1;
-        P = N * p->HV <= 4 * sms ? 4 * sms / p->HV + sms / p->HV : 0;
+        P = 4 * sms / p->HV + sms / p->HV;
     } else {
         kda__seqs s;
         kda__fz_plan pl, pe;

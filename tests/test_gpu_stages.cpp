@@ -1479,9 +1479,9 @@ static void run_fused_failed_bounds_redone_in_the_exact_tile() {
 // bytes gives the plans the forward makes with its own (same tiles, pieces and cuts), one byte
 // less loses a piece. Shapes of the benchmark: the exact split (B1 T8192 H32, no l2norm), the
 // bounded split and its exact passes, no split (B8: the tables' slack alone), V = 256, and two
-// varlen batches, whose bounds over every cu_seqlens hold 200 random batches' needs: 8
-// sequences, and 64, too many to split (the bound is the fixed part alone). The pool form
-// adds its states' fp32 copy; outputs that ask for h take the staged kernels' need.
+// varlen batches, 8 sequences and 64 (too many to split), whose bounds over every cu_seqlens
+// hold the needs of 200 random batches of up to as many sequences and tokens each. The pool
+// form adds its states' fp32 copy; outputs that ask for h take the staged kernels' need.
 static void run_fused_workspace_query_is_the_plans_need() {
     t_current = "fused";
     kda_context *ctx = emu_ctx_sms(132, "workspace query");
@@ -1546,16 +1546,20 @@ static void run_fused_workspace_query_is_the_plans_need() {
               "%s: with h (staged) %zu, want kda_fwd_workspace_size's %zu", name, qh, kda_fwd_workspace_size(&p));
         if (!sh.nseq) continue;
         size_t any = 0;
-        CHECK(kda_chunk_fwd_workspace(ctx, &p, &out, NULL, &any) == KDA_OK && any >= q && (sh.split || any == m.fixed),
-              "%s: the bound over any lengths %zu (%zu the fixed part), the batch's need %zu", name, any, m.fixed, q);
-        for (int r = 0; r < 200; r++) { // random batches of the same shape: cuts of T at N - 1 random points
-            std::vector<long long> c2((size_t)N + 1, 0);
-            for (long long n = 1; n < N; n++) c2[(size_t)n] = (long long)(uni() * sh.T);
-            c2[(size_t)N] = sh.T;
+        CHECK(kda_chunk_fwd_workspace(ctx, &p, &out, NULL, &any) == KDA_OK && any >= q,
+              "%s: the bound over any lengths %zu, the batch's need %zu", name, any, q);
+        for (int r = 0; r < 200; r++) { // random smaller batches: N2 <= N sequences, T2 <= T tokens cut at random points
+            const long long N2 = 1 + (long long)(uni() * N), T2 = N2 + (long long)(uni() * (sh.T - N2));
+            kda_problem p2 = p;
+            p2.num_seqs = (int)N2, p2.T = (int)T2;
+            std::vector<long long> c2((size_t)N2 + 1, 0);
+            for (long long n = 1; n < N2; n++) c2[(size_t)n] = (long long)(uni() * T2);
+            c2[(size_t)N2] = T2;
             std::sort(c2.begin(), c2.end());
             size_t q2 = 0;
-            CHECK(kda_chunk_fwd_workspace(ctx, &p, &out, c2.data(), &q2) == KDA_OK && q2 <= any,
-                  "%s: random batch %d needs %zu, over the bound %zu (%s)", name, r, q2, any, kda_last_error(ctx));
+            CHECK(kda_chunk_fwd_workspace(ctx, &p2, &out, c2.data(), &q2) == KDA_OK && q2 <= any,
+                  "%s: random batch %d of %lld sequences, %lld tokens needs %zu, over the bound %zu (%s)", name, r, N2, T2, q2, any,
+                  kda_last_error(ctx));
         }
     }
     kda_context_destroy(ctx);
