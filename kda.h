@@ -3664,9 +3664,16 @@ size_t kda_fwd_saved_size(const kda_problem *p) { return kda_work_layout(p, KDA_
 static size_t kda__pool_f32_size(const kda_problem *p) {
     return (size_t)kda_num_seqs(p) * p->HV * p->K * p->V * sizeof(float) + 256;
 }
-size_t kda_fwd_workspace_size(const kda_problem *p) {
-    return kda__tables_size(p) + kda_work_layout(p, KDA_WORK_FWD, NULL, NULL);
+/* The chunk forward's workspace in front of its own: the fp32 copy of a pool's states on a
+ * device (kda__pool_convert), else none */
+static size_t kda__fwd_front(kda_context *ctx, const kda_problem *p, const void *pool) {
+    return pool && kda__on_device(ctx) ? kda__pool_f32_size(p) : 0;
 }
+/* The staged chunk forward's workspace: the front, the tables and its work (in saved where given) */
+static size_t kda__staged_fwd_need(const kda_problem *p, size_t front, const void *saved) {
+    return front + kda__tables_size(p) + (saved ? 0 : kda_work_layout(p, KDA_WORK_FWD, NULL, NULL));
+}
+size_t kda_fwd_workspace_size(const kda_problem *p) { return kda__staged_fwd_need(p, 0, NULL); }
 size_t kda_bwd_workspace_size(const kda_problem *p, int have_saved) {
     return kda__tables_size(p) +
            kda_work_layout(p, have_saved ? KDA_WORK_BWD : (KDA_WORK_FWD | KDA_WORK_BWD), NULL, NULL);
@@ -4123,13 +4130,18 @@ static long long kda__fz_lead(const kda_problem *p, const kda__kdesc *kf, const 
  * (tests, tuning), and cap bounds the pieces of a split (what the workspace holds). Varlen's
  * bounded split also times the column plan (kda__fz_columns_plan), which KDA_SEGMENTS=columns
  * forces where it applies. */
+/* The multiprocessors the plans count (1 where the device does not say) */
+static int kda__sms(kda_context *ctx) {
+    const int n = ctx->dev->sm_count ? ctx->dev->sm_count(ctx) : 0;
+    return n > 0 ? n : 1;
+}
 static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const long long *len,
                                   long long nseq, long long cap, long long warm, kda__fz_plan *pl) {
     const char *env = getenv("KDA_SEGMENTS"), *env_lead = getenv("KDA_LEAD");
     long long maxnch, i, lo, hi = 64, np, next, nseg, room, lead, per = kda__fused_vblocks(kf, p) * p->HV;
     /* the exact split's lead: searched with fixed lengths, 0 for varlen and forced segments, or KDA_LEAD's */
     const long long force_lead = env_lead ? (atoll(env_lead) > 0 ? atoll(env_lead) : 0) : p->num_seqs > 0 || (env && atoi(env) > 0) ? 0 : -1;
-    int sms = ctx->dev->sm_count ? ctx->dev->sm_count(ctx) : 0, *f, *q;
+    int sms = kda__sms(ctx), *f, *q;
     const double tcost = warm < 0 && kda__fused_pairs(ctx, kf, p, 1) ? KDA__PAIR_COST : 0.0; /* a paired transition pass */
     const int opairs = kda__fused_pairs(ctx, kf, p, 0) != NULL; /* the output pass's column blocks pair */
     kda__blocks *b;
@@ -4139,7 +4151,6 @@ static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const 
     memset(&led, 0, sizeof led);
     memset(pl, 0, sizeof *pl);
     pl->cand = 1;
-    if (sms <= 0) sms = 1;
     maxnch = kda__fz_maxnch(len, nseq);
     if (env && atoi(env) > 0) { /* forced: as many as the workspace holds */
         for (i = atoi(env) < maxnch ? atoi(env) : (maxnch > 1 ? maxnch : 1); i > 1; i--)
@@ -4374,6 +4385,10 @@ static long long kda__fused_warmup(const kda_problem *p) {
 }
 /* The bounded split's kernel for fwd_fused kernel k (same dtype and tiles), or NULL */
 static const kda__kdesc *kda__fused_bounded(const kda__kdesc *k) { return kda__fused_like("fwd_fused_bounded", k); }
+/* kf's warm-up: the bounded split's where it applies and was rendered, else -1 */
+static long long kda__fused_warm(const kda__kdesc *kf, const kda_problem *p) {
+    return kda__fused_bounded(kf) ? kda__fused_warmup(p) : -1;
+}
 
 /* Launches kernel k of a chain: after the chain's first, with programmatic stream
  * serialization where the device has it (devops launch_after) */
@@ -4427,8 +4442,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
                                  const kda__kdesc *kf) {
     const kda__kdesc *kc = kda__kernel_find(ctx, KDA__STAGE_FWD_COMBINE, p);
     const kda__kdesc *kb = kc ? kda__kernel_find(ctx, KDA__STAGE_FWD_BOUND, p) : NULL; /* the warm-ups' check */
-    /* the bounded split where it applies and was rendered */
-    long long N = c->s.N, nvb, nve, ncb, warm = kda__fused_bounded(kf) ? kda__fused_warmup(p) : -1;
+    long long N = c->s.N, nvb, nve, ncb, warm = kda__fused_warm(kf, p);
     const kda__fz_mem m = kda__fz_mem_of(p, N, warm, c->ws_front);
     size_t bt = 0, bs = 0, bf = 0, tp = 0, te = 0;
     long long cap = LLONG_MAX;
@@ -4524,7 +4538,7 @@ done:
  * (kda_chunk_fwd_workspace); cu: varlen's host copy of cu_seqlens, NULL for a bound over any */
 static kda_status kda__fused_need(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const void *cu, size_t front,
                                   size_t *bytes) {
-    const long long N = kda_num_seqs(p), warm = kda__fused_bounded(kf) ? kda__fused_warmup(p) : -1;
+    const long long N = kda_num_seqs(p), warm = kda__fused_warm(kf, p);
     const kda__fz_mem m = kda__fz_mem_of(p, N, warm, front);
     long long P = 0; /* the pieces of a split (0: none) */
     kda_status st = KDA_OK;
@@ -4533,7 +4547,7 @@ static kda_status kda__fused_need(kda_context *ctx, const kda_problem *p, const 
          * piece, and its column plan (only where the sequences' blocks are within that) adds
          * a column's multiprocessors' worth: so at most 5 SMs / HV pieces for any batch of
          * up to N sequences, which the fixed part (grown with N and T) holds too */
-        const long long sms = ctx->dev->sm_count && ctx->dev->sm_count(ctx) > 0 ? ctx->dev->sm_count(ctx) : 1;
+        const long long sms = kda__sms(ctx);
         P = 4 * sms / p->HV + sms / p->HV;
     } else {
         kda__seqs s;
@@ -4569,9 +4583,9 @@ kda_status kda_chunk_fwd_workspace(kda_context *ctx, const kda_problem *p, const
         memset(&none, 0, sizeof none);
         out = &none;
     }
-    front = out->state_pool && kda__on_device(ctx) ? kda__pool_f32_size(p) : 0;
+    front = kda__fwd_front(ctx, p, out->state_pool);
     if ((kf = kda__fused_wanted(ctx, p, out))) return kda__fused_need(ctx, p, kf, cu_seqlens_host, front, bytes);
-    *bytes = front + kda__tables_size(p) + (out->saved ? 0 : kda_work_layout(p, KDA_WORK_FWD, NULL, NULL));
+    *bytes = kda__staged_fwd_need(p, front, out->saved);
     return KDA_OK;
 }
 
@@ -4645,14 +4659,13 @@ kda_status kda_chunk_fwd(kda_context *ctx, const kda_problem *p, const kda_input
         goto done;
     /* a pool on a device: the forward runs over its sequences' states gathered into fp32 in
      * front of the workspace (kda__pool_convert) */
-    if (c.pool.states && kda__on_device(ctx)) c.ws_front = kda__pool_f32_size(p);
+    c.ws_front = kda__fwd_front(ctx, p, c.pool.states);
     if ((kf = kda__fused_wanted(ctx, p, out))) {
         s = kda__fused_fwd(ctx, &c, p, out, kf);
         goto done;
     }
     tb = kda__tables_size(p);
-    if ((s = kda__ws_acquire(ctx, c.ws_front + tb + (out->saved ? 0 : kda_work_layout(p, KDA_WORK_FWD, NULL, NULL)), &ws, &owned)))
-        goto done;
+    if ((s = kda__ws_acquire(ctx, kda__staged_fwd_need(p, c.ws_front, out->saved), &ws, &owned))) goto done;
     kda_work_layout(p, KDA_WORK_FWD, out->saved ? out->saved : (char *)ws + c.ws_front + tb, &w);
     if ((s = kda__pool_convert(ctx, &c, ws, KDA__STAGE_POOL_WIDEN)) || (s = kda__tables_upload(ctx, &c, (char *)ws + c.ws_front)))
         goto done;

@@ -689,14 +689,15 @@ static void gpu_bench_shape(kda_context *ctx, const shape *s, int reps, double p
             return;
         }
     }
-    if (kda_chunk_fwd_workspace(ctx, &p, &out, s->cu_seqlens, &ws_f) != KDA_OK ||
-        !(ws = dalloc(ctx, &b, ws_f > ws_b ? ws_f : ws_b, NULL))) {
+    const kda_status wq = kda_chunk_fwd_workspace(ctx, &p, &out, s->cu_seqlens, &ws_f);
+    const size_t ws_bytes = ws_f > ws_b ? ws_f : ws_b;
+    if (wq != KDA_OK || !(ws = dalloc(ctx, &b, ws_bytes, NULL))) {
         gpu_error_line("fwd", s, extra_fields), gpu_error_line("bwd", s, extra_fields);
         dfree_all(ctx, &b);
         free(slots_h);
         return;
     }
-    kda_set_workspace(ctx, ws, ws_f > ws_b ? ws_f : ws_b);
+    kda_set_workspace(ctx, ws, ws_bytes);
 
     double flops = fwd_flops(&p, s->cu_seqlens), med, mn;
     double in_bytes = 2.0 * n_qk * 2 + n_v * 2.0 + (double)n_g * g_es + n_beta * 2.0; /* q, k, v, g, beta */
