@@ -81,6 +81,16 @@ if [ -z "${KDA_QUICK:-}" ]; then
     [ "$(echo "$out" | tail -n 1)" = "compiled for sm_90a" ] && ok || { bad "wgmma_chain.py --compile-only"; echo "$out" | tail -n 20; }
 fi
 
+# 4a'''. bench/graph_if_probe (a CUDA graph's IF node around the fused forward's exact passes,
+#     bench/RESULTS.md): its kernels compile for sm_90a without relocatable code, its host side
+#     against the driver API's stubs, so that a GPU run of it needs no fixing first.
+if [ -z "${KDA_QUICK:-}" ]; then
+    cu=${CUDA_HOME:-${CUDA_PATH:-/usr/local/cuda}}
+    out=$("$cu/bin/nvcc" -arch=sm_90a -cubin -o "$build/graph_if_probe.cubin" bench/graph_if_probe.cu 2>&1 &&
+        ${CC:-cc} -Wall -Wextra -Werror -I"$cu/include" -o "$build/graph_if_probe" bench/graph_if_probe.c -L"$cu/lib64/stubs" -lcuda 2>&1) &&
+        ok || { bad "bench/graph_if_probe: nvcc / cc"; echo "$out" | tail -n 20; }
+fi
+
 # 4b. kda-bench on the CPU times the shape and operations asked for, and refuses the GPU's own
 #     options rather than printing its default table without them.
 if [ -z "${KDA_QUICK:-}" ]; then
