@@ -4120,6 +4120,11 @@ static long long kda__fz_lead(const kda_problem *p, const kda__kdesc *kf, const 
         }
     return best;
 }
+/* The multiprocessors the plans count (1 where the device does not say) */
+static int kda__sms(kda_context *ctx) {
+    const int n = ctx->dev->sm_count ? ctx->dev->sm_count(ctx) : 0;
+    return n > 0 ? n : 1;
+}
 /* The plan for fwd_fused kernel kf: candidate i cuts the longest sequence into i pieces and
  * every other into pieces no longer than those. Within one count of waves (blocks per
  * multiprocessor, rounded up) more pieces are shorter, so the bounded split's model times
@@ -4130,11 +4135,6 @@ static long long kda__fz_lead(const kda_problem *p, const kda__kdesc *kf, const 
  * (tests, tuning), and cap bounds the pieces of a split (what the workspace holds). Varlen's
  * bounded split also times the column plan (kda__fz_columns_plan), which KDA_SEGMENTS=columns
  * forces where it applies. */
-/* The multiprocessors the plans count (1 where the device does not say) */
-static int kda__sms(kda_context *ctx) {
-    const int n = ctx->dev->sm_count ? ctx->dev->sm_count(ctx) : 0;
-    return n > 0 ? n : 1;
-}
 static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const long long *len,
                                   long long nseq, long long cap, long long warm, kda__fz_plan *pl) {
     const char *env = getenv("KDA_SEGMENTS"), *env_lead = getenv("KDA_LEAD");

@@ -458,8 +458,7 @@ def main_gpu(args):
         out = KdaFwdOutputs()
         out.o, out.ht = o_kda.data_ptr(), ht_kda.data_ptr()
         need = C.c_size_t(0)   # the fused forward's need (its pieces' states), not the staged one's GBs
-        ctx.check(lib.kda_chunk_fwd_workspace(ctx.h, C.byref(p), C.byref(out),
-                                              None if cu is None else cu_cpu.data_ptr(), C.byref(need)),
+        ctx.check(lib.kda_chunk_fwd_workspace(ctx.h, C.byref(p), C.byref(out), inp.cu_seqlens_host, C.byref(need)),
                   "kda_chunk_fwd_workspace")
         ws_bytes = need.value
         ws = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=dev)

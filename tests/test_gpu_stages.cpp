@@ -1509,7 +1509,7 @@ static void run_fused_workspace_query_is_the_plans_need() {
         size_t q = 0;
         CHECK(kf && kda_chunk_fwd_workspace(ctx, &p, &out, sh.nseq ? cu.data() : NULL, &q) == KDA_OK, "%s: %s", name, kda_last_error(ctx));
         if (!kf) continue;
-        const long long warm = kda__fused_bounded(kf) ? kda__fused_warmup(&p) : -1;
+        const long long warm = kda__fused_warm(kf, &p);
         const kda__fz_mem m = kda__fz_mem_of(&p, N, warm, 0);
         CHECK(q >= m.fixed && (q - m.fixed) % m.piece == 0, "%s: %zu bytes, not %zu and whole pieces of %zu", name, q, m.fixed, m.piece);
         const long long P = (long long)((q - m.fixed) / m.piece);
