@@ -150,7 +150,9 @@ const char *kda_status_string(kda_status s);
  * the warm-ups runs first, so gates with slow channels (which keep their state over any
  * warm-up) cost the exact split alone (varlen: with the sequences short enough to run
  * whole, which then go with the exact passes). The environment variable KDA_SPLIT=exact
- * always takes the exact split. */
+ * always takes the exact split. Where its fix-up is faster (K <= V; README's KDA_FIXUP), the
+ * exact split needs 2 V bytes a token and value head more, which kda_chunk_fwd_workspace
+ * counts; a caller's workspace short of them runs its output pass instead. */
 void kda_set_workspace(kda_context *ctx, void *ptr, size_t bytes);
 /* CUDA stream (a CUstream) used by every later call; ignored by the CPU backend.
  *
@@ -2199,7 +2201,8 @@ typedef struct kda__kparams {
     const float *A_log, *dt_bias, *h0;
     float *qn, *kn, *rstd_q, *rstd_k, *beta_f;
     double *Gc;
-    float *Aqk, *L, *M, *w, *u, *kg, *qg, *h, *vn;
+    float *Aqk, *L, *M, *w, *u, *kg, *qg, *h;
+    union { float *vn; void *fz_qt; }; /* (one slot: the staged and the fused forward, each its own) */
     float *dAqk, *dvl, *dh, *dv2, *dqh, *dkh;
     double *dG;
     float *dL, *dbeta_f, *dgate, *dqn, *dkn, *dw;
@@ -3263,7 +3266,7 @@ static void kda__ws_release(kda_context *ctx, void *ptr, int owned) {
 static const char *const kda__stage_names[] = {
     "prepare", "gate_cumsum", "intra", "solve", "wu", "state", "output", "fwd_fused", "fwd_combine", "fwd_fused_bounded", "fwd_bound",
     "bwd_dav", "bwd_dhu", "bwd_wy", "bwd_intra", "bwd_cumsum", "bwd_gate", "bwd_qkb", 0, 0,
-    "recurrent", "states_out", "selftest_mma", "fwd_fused_pairs", "fwd_fused_bounded_pairs", "pool_widen", "pool_narrow"};
+    "recurrent", "states_out", "selftest_mma", "fwd_fused_pairs", "fwd_fused_bounded_pairs", "pool_widen", "pool_narrow", "fwd_fixup", "fwd_fused_trans", "fwd_fused_trans_pairs"};
 #define KDA__STAGE_RECURRENT 20
 #define KDA__STAGE_STATES_OUT 21
 #define KDA__STAGE_SELFTEST_MMA 22 /* tests only: the tensor-core fragment layout */
@@ -3273,6 +3276,7 @@ static const char *const kda__stage_names[] = {
 #define KDA__STAGE_FWD_COMBINE 8
 #define KDA__STAGE_FWD_FUSED_BOUNDED 9
 #define KDA__STAGE_FWD_BOUND 10
+#define KDA__STAGE_FWD_FIXUP 27
 
 /* The kernel variant of `stage` for problem p: exact match on the axes the
  * stage has, the smallest key tile >= K, and the smallest value tile >= V (or
@@ -3401,6 +3405,20 @@ static const kda__kdesc *kda__fused_pairs_of(const kda__kdesc *k) {
     return kda__fused_like(strcmp(k->stage, "fwd_fused") ? "fwd_fused_bounded_pairs" : "fwd_fused_pairs", k);
 }
 
+/* Whether the exact split adds the start states' part to o in one pass over memory
+ * (fwd_fixup) instead of an output pass that recomputes every piece but the first: where
+ * fwd_fixup exists for p's dtype, K <= V (the transition pass's identity blocks store their
+ * outputs where o's would go) and KDA_FIXUP is not 0; 2 where KDA_FIXUP=2 takes it whatever
+ * the model says (kda__fused_exact). It needs mem's qt too, which a caller's workspace may
+ * not hold (kda__fused_fwd then takes the output pass). */
+static int kda__fused_fixup(const kda_problem *p) {
+    const int e = kda__env_int("KDA_FIXUP", 1); /* 0: never; 1: where the model times it faster; 2: always (tests, tuning) */
+    int i;
+    if (p->K > p->V || e <= 0) return 0;
+    for (i = 0; i < KDA__NUM_KERNELS; i++)
+        if (!strcmp(kda__kernels[i].stage, "fwd_fixup") && kda__kernels[i].dtype == (int)p->dtype) return e > 1 ? 2 : 1;
+    return 0;
+}
 /* Indices of the kernels a forward, backward and decode of p use (the fused forward's
  * with each value tile: kda__fused_variant picks one by the sequence lengths; and their pairs
  * kernels where V, or V and K in the exact split's transition pass, take an even number of
@@ -3424,14 +3442,24 @@ int kda_kernels_needed(kda_context *ctx, const kda_problem *p, int *idx, int max
         if (n < max && idx) idx[n] = (int)(k - kda__kernels);
         n++;
         for (j = 0; (stages[i] == KDA__STAGE_FWD_FUSED || stages[i] == KDA__STAGE_FWD_FUSED_BOUNDED) && j < KDA__NUM_KERNELS;
-             j++) { /* its other value tiles, and the pairs kernels */
-            const kda__kdesc *o = &kda__kernels[j], *tw;
+             j++) { /* its other value tiles, and the pairs kernels (and the exact split's fix-up: its transition pass's) */
+            const kda__kdesc *o = &kda__kernels[j], *tw, *add[4] = {NULL, NULL, NULL, NULL};
+            int a;
             if (!kda__fused_sibling(o, k)) continue;
             tw = kda__fused_even(o, p, 0) || (stages[i] == KDA__STAGE_FWD_FUSED && kda__fused_even(o, p, 1)) ? kda__fused_pairs_of(o) : NULL;
-            if (o != k && n < max && idx) idx[n] = j;
-            n += o != k;
-            if (tw && n < max && idx) idx[n] = (int)(tw - kda__kernels);
-            n += tw != NULL;
+            add[0] = o != k ? o : NULL, add[1] = tw;
+            if (stages[i] == KDA__STAGE_FWD_FUSED && kda__fused_fixup(p))
+                add[2] = kda__fused_like("fwd_fused_trans", o), add[3] = kda__fused_even(o, p, 1) ? kda__fused_like("fwd_fused_trans_pairs", o) : NULL;
+            for (a = 0; a < 4; a++) {
+                if (add[a] && n < max && idx) idx[n] = (int)(add[a] - kda__kernels);
+                n += add[a] != NULL;
+            }
+        }
+        if (stages[i] == KDA__STAGE_FWD_FUSED && kda__fused_fixup(p)) {
+            const kda__kdesc *x = kda__kernel_find(ctx, KDA__STAGE_FWD_FIXUP, p);
+            if (!x) return -1;
+            if (n < max && idx) idx[n] = (int)(x - kda__kernels);
+            n++;
         }
     }
     return n;
@@ -3821,6 +3849,7 @@ typedef struct {
     long long cols, ncol; /* cols > 0: the column plan of that makespan on ncol columns instead of candidate cand */
     double time;
     int *tab;
+    int fx; /* the exact split with the fix-up (kda__fused_fixup) */
 } kda__fz_plan;
 
 /* The pieces of candidate i (sequences of nch chunks in pieces no longer than the longest's
@@ -3916,30 +3945,40 @@ static double kda__fz_inorder(const kda__blocks *b, long long np, long long HV, 
 }
 /* (pairs: the output pass pairs, and the plan's time is scaled by KDA__PAIR_COST, so an
  * unpaired transition pass's blocks take 1 / KDA__PAIR_COST; inorder: fixed lengths timed in
- * grid order, as a cut whose pieces differ in length needs, not longest first) */
+ * grid order, as a cut whose pieces differ in length needs, not longest first). With the
+ * fix-up (fx, the exact split) the transition pass runs every piece and fwd_fixup takes the
+ * output pass's place: a pass over the memory of the pieces after the first, timed at
+ * KDA__FIX_BYTES a chunk-time. */
+#define KDA__FIX_BYTES 3.0e6 /* bytes fwd_fixup moves in a chunk-time: 2.2 TB/s x 1.38 us (H200, 2026-11-30) */
 static double kda__fz_time(const kda_problem *p, const kda__kdesc *kf, const long long *len, long long np, const int *f,
-                           const int *q, long long warm, double tcost, int pairs, int inorder, int sms, kda__blocks *b1,
+                           const int *q, long long warm, int fx, double tcost, int pairs, int inorder, int sms, kda__blocks *b1,
                            kda__blocks *b0, double *h) {
     long long nvb = kda__fused_vblocks(kf, p), nkb = kda__fused_kblocks(kf, p), i, n0 = 0, n1 = 0, split = 0;
     const double tun = pairs && tcost <= 0 ? 1.0 / KDA__PAIR_COST : 1.0;
+    double fix = 0.0; /* the fix-up's chunks */
+    fx = fx && warm < 0;
     for (i = 0; i < np; i++) {
         int s0, last;
-        double d = (double)kda__fz_run(len, np, f, q, i, warm, &s0, &last) + KDA__FZ_FIXED;
+        const long long run = kda__fz_run(len, np, f, q, i, warm, &s0, &last);
+        const double d = (double)run + KDA__FZ_FIXED;
+        const int out = warm >= 0 || (!fx && ((s0 && last) || !s0)), trans = warm < 0 && (fx || !last);
         split |= !(s0 && last);
+        fix += fx && !s0 ? (double)run : 0.0;
         if (inorder) { /* every slot, in order */
-            b0[i].d = warm >= 0 || (s0 && last) || !s0 ? d : -1.0, b0[i].n = 0;
-            b1[i].d = warm < 0 && !last ? (tcost > 0 ? d * tcost : d * tun) : -1.0, b1[i].n = s0 && tcost <= 0;
-            n1 += warm < 0 && !last;
+            b0[i].d = out ? d : -1.0, b0[i].n = 0;
+            b1[i].d = trans ? (tcost > 0 ? d * tcost : d * tun) : -1.0, b1[i].n = s0 && tcost <= 0;
+            n1 += trans;
             continue;
         }
-        if (warm >= 0 || (s0 && last) || !s0) b0[n0].d = d, b0[n0++].n = nvb * p->HV;
-        if (warm < 0 && !last) b1[n1].d = tcost > 0 ? d * tcost : d * tun, b1[n1++].n = (s0 && tcost <= 0 ? nvb : nvb + nkb) * p->HV;
+        if (out) b0[n0].d = d, b0[n0++].n = nvb * p->HV;
+        if (trans) b1[n1].d = tcost > 0 ? d * tcost : d * tun, b1[n1++].n = (s0 && tcost <= 0 ? nvb : nvb + nkb) * p->HV;
     }
+    fix = fix > 0 ? fix * (double)p->HV * 32.0 * (double)(p->K + 2 * p->V) / KDA__FIX_BYTES + KDA__FZ_FIXED : 0.0;
     if (inorder)
         return kda__fz_inorder(b0, np, p->HV, nvb, nvb, pairs, sms, h) +
-               (n1 ? kda__fz_inorder(b1, np, p->HV, nvb + nkb, nvb, tcost > 0, sms, h) : 0.0) + (warm >= 0 && split ? KDA__FZ_CHECK : 0.0);
+               (n1 ? kda__fz_inorder(b1, np, p->HV, nvb + nkb, nvb, tcost > 0, sms, h) : 0.0) + (warm >= 0 && split ? KDA__FZ_CHECK : 0.0) + fix;
     return kda__launch_time(b0, n0, sms, h) + (n1 ? kda__launch_time(b1, n1, sms, h) : 0.0) +
-           (warm >= 0 && split ? KDA__FZ_CHECK : 0.0);
+           (warm >= 0 && split ? KDA__FZ_CHECK : 0.0) + fix;
 }
 
 /* A piece of a column plan: its planned start, chunks run (warm-up included), index,
@@ -4095,7 +4134,8 @@ static kda_status kda__fz_columns_plan(kda_context *ctx, const long long *len, l
  * Kimi-init gates on an H100 (2026-11-27): K = V = 64 B1 T8192 H32 -8% (model 276 -> 230),
  * K128 V256 B2 T8192 H16 and B1 T8192 H32 -5.5% (128-column blocks in 3 pieces, 393, against
  * 64-column blocks unsplit, 419), K = V = 64 B1 T65536 H16 -6% (1123 -> 1010); K128 V256 B1
- * T16384 H8 +2.3% (342 -> 326: under the 5%, so not taken). */
+ * T16384 H8 +2.3% (342 -> 326: under the 5%, so not taken). With the fix-up every piece runs in
+ * the transition pass, and the output pass that a lead shortens is gone: none is searched. */
 static long long kda__fz_lead(const kda_problem *p, const kda__kdesc *kf, const long long *len, long long nseq, long long maxnch,
                               long long i, double tcost, int pairs, int sms, double t0, kda__blocks *b, long long room,
                               double *h, int *f, int *q, double *bt) {
@@ -4107,7 +4147,7 @@ static long long kda__fz_lead(const kda_problem *p, const kda__kdesc *kf, const 
         const long long lead = k * e0 / 2;
         if (kda__fz_each(maxnch, sn, lead) - lead < 8) break;
         np = kda__fz_pieces(len, nseq, maxnch, i, lead, f, q, &nseg);
-        const double t = kda__fz_time(p, kf, len, np, f, q, -1, tcost, pairs, 1, sms, b, b + room, h);
+        const double t = kda__fz_time(p, kf, len, np, f, q, -1, 0, tcost, pairs, 1, sms, b, b + room, h);
         if (t < *bt) *bt = t, best = lead;
     }
     for (step = e0 / 4; step > 0; step /= 2)
@@ -4115,7 +4155,7 @@ static long long kda__fz_lead(const kda_problem *p, const kda__kdesc *kf, const 
             const long long lead = best + k * step;
             if (lead <= 0 || kda__fz_each(maxnch, sn, lead) - lead < 8) continue;
             np = kda__fz_pieces(len, nseq, maxnch, i, lead, f, q, &nseg);
-            const double t = kda__fz_time(p, kf, len, np, f, q, -1, tcost, pairs, 1, sms, b, b + room, h);
+            const double t = kda__fz_time(p, kf, len, np, f, q, -1, 0, tcost, pairs, 1, sms, b, b + room, h);
             if (t < *bt) *bt = t, best = lead;
         }
     return best;
@@ -4134,9 +4174,9 @@ static int kda__sms(kda_context *ctx) {
  * chunks, candidates stop where their blocks pass 4 waves, KDA_SEGMENTS=n forces candidate n
  * (tests, tuning), and cap bounds the pieces of a split (what the workspace holds). Varlen's
  * bounded split also times the column plan (kda__fz_columns_plan), which KDA_SEGMENTS=columns
- * forces where it applies. */
+ * forces where it applies. fx: the exact split takes the fix-up (kda__fused_fixup). */
 static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const long long *len,
-                                  long long nseq, long long cap, long long warm, kda__fz_plan *pl) {
+                                  long long nseq, long long cap, long long warm, int fx, kda__fz_plan *pl) {
     const char *env = getenv("KDA_SEGMENTS"), *env_lead = getenv("KDA_LEAD");
     long long maxnch, i, lo, hi = 64, np, next, nseg, room, lead, per = kda__fused_vblocks(kf, p) * p->HV;
     /* the exact split's lead: searched with fixed lengths, 0 for varlen and forced segments, or KDA_LEAD's */
@@ -4176,9 +4216,9 @@ static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const 
             continue; /* the next has as many waves (the exact split's transition pass has more blocks: all are timed) */
         lead = warm < 0 && force_lead > 0 ? force_lead : warm; /* (the cut's) */
         np = kda__fz_pieces(len, nseq, maxnch, i, lead, f, q, &nseg);
-        t = kda__fz_time(p, kf, len, np, f, q, warm, tcost, opairs, 0, sms, b, b + room, h);
+        t = kda__fz_time(p, kf, len, np, f, q, warm, fx, tcost, opairs, 0, sms, b, b + room, h);
         if (i == lo || t < pl->time * 0.97) pl->cand = i, pl->time = t, pl->np = np, pl->nseg = nseg, pl->lead = lead > 0 && warm < 0 ? lead : 0;
-        if (warm < 0 && force_lead < 0 && (lead = kda__fz_lead(p, kf, len, nseq, maxnch, i, tcost, opairs, sms, t, b, room, h, f, q, &t))) {
+        if (warm < 0 && !fx && force_lead < 0 && (lead = kda__fz_lead(p, kf, len, nseq, maxnch, i, tcost, opairs, sms, t, b, room, h, f, q, &t))) {
             np = kda__fz_pieces(len, nseq, maxnch, i, lead, f, q, &nseg);
             if (t < led.time * 0.97 || !led.lead) led = *pl, led.cand = i, led.time = t, led.np = np, led.nseg = nseg, led.lead = lead;
         }
@@ -4186,6 +4226,7 @@ static kda_status kda__fused_plan(kda_context *ctx, const kda_problem *p, const 
     if (led.lead && led.time < pl->time * 0.95) *pl = led; /* (the model's time of a led cut is the less sure) */
     /* (fixed lengths: all the longest) */
     pl->each = kda__fz_each(maxnch, kda__fz_sn(maxnch, maxnch, pl->cand), warm >= 0 ? warm : pl->lead);
+    pl->fx = fx && warm < 0;
     kda__free(ctx, mem);
     if (warm >= 0 && p->num_seqs > 0 && !(env && atoi(env) > 0)) /* varlen: the column plan where it is faster */
         return kda__fz_columns_plan(ctx, len, nseq, per, sms, cap, warm, env && !strcmp(env, "columns"), pl);
@@ -4260,31 +4301,57 @@ static double kda__fused_chunk_cost(kda_context *ctx, const kda__kdesc *k, const
  * split's lead, kda__fz_lead, 128-column blocks in 3 pieces a sequence, 0.640). Without it *pe is
  * *pl and *ke the tile. */
 static kda_status kda__fused_best(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const long long *len,
-                                  long long nseq, long long cap, long long warm, kda__fz_plan *pl, const kda__kdesc **best) {
+                                  long long nseq, long long cap, long long warm, int fx, kda__fz_plan *pl, const kda__kdesc **best) {
     kda__fz_plan o_pl;
     kda_status st;
     int i, optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
     *best = kf;
-    if ((st = kda__fused_plan(ctx, p, kf, len, nseq, cap, warm, pl))) return st;
+    if ((st = kda__fused_plan(ctx, p, kf, len, nseq, cap, warm, fx, pl))) return st;
     pl->time *= kda__fused_chunk_cost(ctx, kf, p);
     for (i = getenv("KDA_FUSED_BV") ? KDA__NUM_KERNELS : 0; i < KDA__NUM_KERNELS; i++) {
         const kda__kdesc *o = &kda__kernels[i];
         if (o == kf || !kda__fused_sibling(o, kf) || (optin > 0 && o->smem > optin)) continue;
-        if ((st = kda__fused_plan(ctx, p, o, len, nseq, cap, warm, &o_pl))) return st;
+        if ((st = kda__fused_plan(ctx, p, o, len, nseq, cap, warm, fx, &o_pl))) return st;
         o_pl.time *= kda__fused_chunk_cost(ctx, o, p);
         if (o_pl.time < pl->time) *best = o, *pl = o_pl;
     }
     return kda__fused_table(ctx, p, len, nseq, warm, pl);
 }
+/* The exact split's plan and tile: with the fix-up (fx: where it applies) or the output pass,
+ * whichever the model times the faster, the fix-up by KDA__FIX_MARGIN. The fix-up takes the
+ * output pass's recomputation of every later piece off, but runs those pieces' K identity
+ * columns in the same pass as their values, and moves 2 (K + 2 V) bytes a token and head.
+ * Taken always, it ran K128 V256 B2 T8192 H16 17% and the varlen batch 20% slower (Kimi-init
+ * gates); by the model, B1 T8192 H32 -5.6% (model -11%), B1 T65536 H16 -6% (-13%), B1 T16384
+ * H32 +0.2% (-10%): the model gives the fix-up 5-10 points too much (H200, 2026-11-30;
+ * bench/RESULTS.md) */
+#define KDA__FIX_MARGIN 1.08
+static kda_status kda__fused_exact(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const long long *len,
+                                   long long nseq, long long cap, int fx, kda__fz_plan *pe, const kda__kdesc **ke) {
+    kda__fz_plan o;
+    const kda__kdesc *ko;
+    kda_status st = kda__fused_best(ctx, p, kf, len, nseq, cap, -1, 0, pe, ke);
+    if (st || !fx || (st = kda__fused_best(ctx, p, kf, len, nseq, cap, -1, 1, &o, &ko))) return st;
+    kda__log(ctx, "exact split: %s in %lld piece(s) %.0f chunk-times, the fix-up %s in %lld %.0f", (*ke)->name, pe->np, pe->time,
+             ko->name, o.np, o.time);
+    if ((o.time * KDA__FIX_MARGIN < pe->time || fx > 1) && o.np > nseq) kda__free(ctx, pe->tab), *pe = o, *ke = ko;
+    else kda__free(ctx, o.tab);
+    return KDA_OK;
+}
 static const kda__kdesc *kda__fused_variant(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf,
-                                            const long long *len, long long nseq, long long cap, long long warm,
+                                            const long long *len, long long nseq, long long cap, long long warm, int fx,
                                             kda__fz_plan *pl, kda__fz_plan *pe, const kda__kdesc **ke, kda_status *st) {
     const kda__kdesc *best;
-    if ((*st = kda__fused_best(ctx, p, kf, len, nseq, cap, warm, pl, &best))) return NULL;
+    if (warm < 0) {
+        *st = kda__fused_exact(ctx, p, kf, len, nseq, cap, fx, pl, &best);
+        *pe = *pl;
+        *ke = best;
+        return *st ? NULL : best;
+    }
+    if ((*st = kda__fused_best(ctx, p, kf, len, nseq, cap, warm, 0, pl, &best))) return NULL;
     *pe = *pl;
     *ke = best;
-    if (warm < 0) return best;
-    if ((*st = kda__fused_best(ctx, p, kf, len, nseq, cap, -1, pe, ke))) {
+    if ((*st = kda__fused_exact(ctx, p, kf, len, nseq, cap, fx, pe, ke))) {
         kda__free(ctx, pl->tab);
         pl->tab = NULL;
         return NULL;
@@ -4312,7 +4379,7 @@ static const kda__kdesc *kda__fused_variant(kda_context *ctx, const kda_problem 
  * variables KDA_SEGMENTS, KDA_FUSED_BV and KDA_LEAD. */
 typedef struct {
     const kda__kdesc *asked;
-    long long N, HV, K, V, varlen, warm, cap, optin, segments, bv, pairs, lead;
+    long long N, HV, K, V, varlen, warm, cap, optin, segments, bv, pairs, lead, fx;
 } kda__fz_key;
 typedef struct {
     kda__fz_key key;
@@ -4335,7 +4402,7 @@ static void kda__fused_forget(kda_context *ctx) {
 }
 /* kda__fused_variant through the memo: the plans' tables belong to the context (do not free them) */
 static const kda__kdesc *kda__fused_memo(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const long long *len,
-                                         long long nseq, long long cap, long long warm, kda__fz_plan *pl, kda__fz_plan *pe,
+                                         long long nseq, long long cap, long long warm, int fx, kda__fz_plan *pl, kda__fz_plan *pe,
                                          const kda__kdesc **ke, kda_status *st) {
     const char *es = getenv("KDA_SEGMENTS"), *eb = getenv("KDA_FUSED_BV");
     kda__fz_memo *m = (kda__fz_memo *)ctx->fz_memo;
@@ -4347,6 +4414,7 @@ static const kda__kdesc *kda__fused_memo(kda_context *ctx, const kda_problem *p,
     key.warm = warm, key.cap = cap, key.optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
     key.segments = es ? (strcmp(es, "columns") ? atoll(es) : -2) : -1, key.bv = eb ? atoll(eb) : -1, key.pairs = kda__env_int("KDA_FUSED_PAIRS", 1);
     key.lead = getenv("KDA_LEAD") ? atoll(getenv("KDA_LEAD")) : -1;
+    key.fx = fx;
     if (m && !memcmp(&m->key, &key, sizeof key) && !memcmp(m->len, len, sizeof(long long) * (size_t)nseq)) {
         *pl = m->pl;
         *pe = m->pe;
@@ -4355,7 +4423,7 @@ static const kda__kdesc *kda__fused_memo(kda_context *ctx, const kda_problem *p,
         return m->chosen;
     }
     kda__fused_forget(ctx);
-    if (!(k = kda__fused_variant(ctx, p, kf, len, nseq, cap, warm, pl, pe, ke, st)) || *st) return k;
+    if (!(k = kda__fused_variant(ctx, p, kf, len, nseq, cap, warm, fx, pl, pe, ke, st)) || *st) return k;
     m = (kda__fz_memo *)kda__alloc(ctx, sizeof *m);
     keep = (long long *)kda__alloc(ctx, sizeof(long long) * (size_t)(nseq > 0 ? nseq : 1));
     if (!m || !keep) { /* the plan cannot be kept: fail rather than leak its table */
@@ -4422,9 +4490,10 @@ static kda_status kda__pool_convert(kda_context *ctx, kda__cpu *c, void *ws, int
  * one int, fz_redo); a piece table takes 3 ints a piece and one a sequence (two tables where
  * the exact passes cut otherwise), and slack the alignment of those four buffers. A workspace
  * of W bytes holds (W - fixed) / piece pieces, so fixed + P * piece holds any plan of P pieces
- * or fewer, whichever of the two tables and passes they go to. */
+ * or fewer, whichever of the two tables and passes they go to. The exact split's fix-up adds
+ * qt, the identity blocks' outputs (kda__fused_fixup), whatever the pieces. */
 typedef struct {
-    size_t tb, trans, start, flags, slack, fixed, piece;
+    size_t tb, trans, start, flags, slack, fixed, piece, qt;
 } kda__fz_mem;
 static kda__fz_mem kda__fz_mem_of(const kda_problem *p, long long N, long long warm, size_t front) {
     kda__fz_mem m;
@@ -4435,6 +4504,7 @@ static kda__fz_mem kda__fz_mem_of(const kda_problem *p, long long N, long long w
     m.slack = 1280;
     m.fixed = front + m.tb + m.slack + sizeof(int) * (2 * (size_t)(N + 2) + 1);
     m.piece = m.trans + m.start + m.flags + 6 * sizeof(int);
+    m.qt = (size_t)p->B * p->T * p->HV * p->V * 2 + 256; /* laid out as o (and its alignment) */
     return m;
 }
 
@@ -4444,7 +4514,10 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     const kda__kdesc *kb = kc ? kda__kernel_find(ctx, KDA__STAGE_FWD_BOUND, p) : NULL; /* the warm-ups' check */
     long long N = c->s.N, nvb, nve, ncb, warm = kda__fused_warm(kf, p);
     const kda__fz_mem m = kda__fz_mem_of(p, N, warm, c->ws_front);
-    size_t bt = 0, bs = 0, bf = 0, tp = 0, te = 0;
+    /* the fix-up, where a caller's workspace holds its qt and two pieces besides */
+    const int fx = !ctx->workspace || ctx->workspace_size >= m.fixed + m.qt + 2 * m.piece ? kda__fused_fixup(p) : 0;
+    const kda__kdesc *kx = fx ? kda__kernel_find(ctx, KDA__STAGE_FWD_FIXUP, p) : NULL;
+    size_t bt = 0, bs = 0, bf = 0, tp = 0, te = 0, bq = 0;
     long long cap = LLONG_MAX;
     unsigned grid[3];
     void *ws = NULL;
@@ -4457,11 +4530,14 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     const kda__kdesc *ke; /* the exact passes' value tile (the bounded split's may differ) */
     const kda__kdesc *pairs, *pairs_b, *pairs_t; /* the output pass's pairs kernel and the bounded pass's, where the column
                                                   * blocks go in pairs, and the transition pass's (value and identity blocks) */
-    if (!kc || !kb) return KDA_ERROR_UNSUPPORTED;
+    if (!kc || !kb || (fx && !kx)) return KDA_ERROR_UNSUPPORTED;
     if (kda__fz_maxnch(c->s.len, N) == 0) return KDA_OK;
     /* a caller's workspace bounds the pieces */
-    if (ctx->workspace) cap = ctx->workspace_size > m.fixed ? (long long)((ctx->workspace_size - m.fixed) / m.piece) : 0;
-    kf = kda__fused_memo(ctx, p, kf, c->s.len, N, cap, warm, &pl, &pe, &ke, &s);
+    if (ctx->workspace) {
+        const size_t fixed = m.fixed + (fx ? m.qt : 0);
+        cap = ctx->workspace_size > fixed ? (long long)((ctx->workspace_size - fixed) / m.piece) : 0;
+    }
+    kf = kda__fused_memo(ctx, p, kf, c->s.len, N, cap, warm, fx, &pl, &pe, &ke, &s);
     if (s) return s;
     nvb = kda__fused_vblocks(kf, p);
     pairs = kda__fused_pairs(ctx, kf, p, 0);
@@ -4472,6 +4548,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     nve = kda__fused_vblocks(ke, p);
     if (pl.np > N && m.flags) bf = (size_t)pl.np * m.flags + sizeof(int); /* and fz_redo */
     if (pe.np > N) bt = (size_t)pe.np * m.trans, bs = (size_t)pe.np * m.start;
+    if (pe.np > N && pe.fx) bq = m.qt;
     if (pl.tab) tp = sizeof(int) * KDA__FZ_TAB(pl.np, N);
     if (pe.tab && pe.tab != pl.tab) te = sizeof(int) * KDA__FZ_TAB(pe.np, N); /* (right after pl.tab) */
     if (cap < LLONG_MAX) kda__log(ctx, "%s: the caller's workspace holds %lld piece(s)", kf->name, cap);
@@ -4480,7 +4557,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     if (pl.np > N && warm >= 0)
         kda__log(ctx, "%s: where a bound fails, the exact split in %lld piece(s), at most %lld a sequence", ke->name, pe.np, pe.nseg);
     if (pe.np > N && pe.lead > 0) kda__log(ctx, "%s: the exact split's first pieces %lld chunks longer", ke->name, pe.lead);
-    if ((s = kda__ws_acquire(ctx, c->ws_front + m.tb + m.slack + bt + bs + bf + tp + te, &ws, &owned))) goto done;
+    if ((s = kda__ws_acquire(ctx, c->ws_front + m.tb + m.slack + bt + bs + bf + tp + te + bq, &ws, &owned))) goto done;
     if ((s = kda__pool_convert(ctx, c, ws, KDA__STAGE_POOL_WIDEN))) goto done;
     if ((s = kda__tables_upload(ctx, c, (char *)ws + c->ws_front))) goto done;
     c->ht = out->ht;
@@ -4516,13 +4593,26 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     if (pe.np > N) {
         a.fz_trans = (float *)KDA__FZ_BUF(bt);
         a.fz_start = (float *)KDA__FZ_BUF(bs);
+        if (bq) a.fz_qt = KDA__FZ_BUF(bq - 256);
         a.fz_mode = 1; /* segment transitions: nvb + nkb column blocks, in pairs where they pair */
         ncb = nve + kda__fused_kblocks(ke, p);
         KDA__FZ_GRID(pe, ncb);
         pairs_t = kda__fused_pairs(ctx, ke, p, 1);
-        if ((s = kda__chain_launch(ctx, &chained, pairs_t ? pairs_t : ke, grid, &a))) goto done;
+        if (bq) { /* the fix-up's transition pass: its own kernels (fwd_fused.cu.j2's TRANS) */
+            const kda__kdesc *kt = kda__fused_like(pairs_t ? "fwd_fused_trans_pairs" : "fwd_fused_trans", ke);
+            s = kt ? kda__chain_launch(ctx, &chained, kt, grid, &a) : kda__fail(ctx, KDA_ERROR_INTERNAL, "no fix-up transition kernel for %s", ke->name);
+        } else {
+            s = kda__chain_launch(ctx, &chained, pairs_t ? pairs_t : ke, grid, &a);
+        }
+        if (s) goto done;
         grid[0] = (unsigned)N; grid[1] = (unsigned)p->HV; grid[2] = (unsigned)((p->V + KDA__COMBINE_COLS - 1) / KDA__COMBINE_COLS);
         if ((s = kda__chain_launch(ctx, &chained, kc, grid, &a))) goto done;
+        if (bq) { /* the start states' part added to o, in place of the output pass */
+            const long long ncb = (p->V + 63) / 64, per = pe.np * p->HV * ncb, want = (8LL * kda__sms(ctx) + per - 1) / per;
+            grid[0] = (unsigned)(pe.np * (want > 1 ? want : 1) * ncb); grid[1] = (unsigned)p->HV; grid[2] = 1u;
+            if (!(s = kda__chain_launch(ctx, &chained, kx, grid, &a))) s = kda__pool_convert(ctx, c, ws, KDA__STAGE_POOL_NARROW);
+            goto done;
+        }
     }
     a.fz_mode = 0; /* the output pass */
     KDA__FZ_GRID(pe, nve);
@@ -4540,7 +4630,9 @@ static kda_status kda__fused_need(kda_context *ctx, const kda_problem *p, const 
                                   size_t *bytes) {
     const long long N = kda_num_seqs(p), warm = kda__fused_warm(kf, p);
     const kda__fz_mem m = kda__fz_mem_of(p, N, warm, front);
+    const int fx = kda__fused_fixup(p); /* (the plan without a caller's workspace) */
     long long P = 0; /* the pieces of a split (0: none) */
+    int ex = 0;      /* the exact split's plan splits with the fix-up (its qt) */
     kda_status st = KDA_OK;
     if (p->num_seqs > 0 && !cu) {
         /* kda__fused_plan's cuts make at most 4 blocks a multiprocessor, of HV or more blocks a
@@ -4549,19 +4641,21 @@ static kda_status kda__fused_need(kda_context *ctx, const kda_problem *p, const 
          * up to N sequences, which the fixed part (grown with N and T) holds too */
         const long long sms = kda__sms(ctx);
         P = 4 * sms / p->HV + sms / p->HV;
+        ex = 1;
     } else {
         kda__seqs s;
         kda__fz_plan pl, pe;
         const kda__kdesc *ke;
         if ((st = kda__seqs_build(ctx, p, cu, &s))) return st;
-        if (kda__fz_maxnch(s.len, N) > 0 && kda__fused_memo(ctx, p, kf, s.len, N, LLONG_MAX, warm, &pl, &pe, &ke, &st) && !st) {
+        if (kda__fz_maxnch(s.len, N) > 0 && kda__fused_memo(ctx, p, kf, s.len, N, LLONG_MAX, warm, fx, &pl, &pe, &ke, &st) && !st) {
             if (pl.np > N) P = pl.np;
             if (pe.np > N && pe.np > P) P = pe.np;
+            ex = pe.np > N && pe.fx;
         }
         kda__seqs_free(ctx, &s);
         if (st) return st;
     }
-    *bytes = m.fixed + (size_t)P * m.piece;
+    *bytes = m.fixed + (size_t)P * m.piece + (ex && fx ? m.qt : 0);
     return KDA_OK;
 }
 

@@ -131,7 +131,7 @@ def emit(common, entries):
     return "\n".join(lines) + "\n"
 
 
-EMU_MACROS = ["ACT", "GATE", "BT", "BK", "BV", "L2NORM", "VARLEN", "THREADS", "SMEM_BYTES", "BOUNDED", "PAIRS", "CLUSTERS"]
+EMU_MACROS = ["ACT", "GATE", "BT", "BK", "BV", "L2NORM", "VARLEN", "THREADS", "SMEM_BYTES", "BOUNDED", "PAIRS", "TRANS", "KDA_FZ_PASS", "CLUSTERS"]
 # the common header's macros, undefined after the kernels so they do not shadow kda.h's enums
 COMMON_MACROS = ["KDA_F32", "KDA_F16", "KDA_BF16", "KDA_GATE_NONE", "KDA_GATE_SOFTPLUS", "KDA_GATE_LOWER_BOUND",
                  "KDA_BC", "KDA_ROWS", "KDA_RLN2", "KDA_SMEM"]

@@ -24,7 +24,8 @@ Launch geometry (`grid`) is named, and kda.h computes it from the problem:
                (N * pieces, HV, column blocks), varlen (pieces * column blocks * HV, 1, 1),
                and their _pairs kernels the same in clusters of 2 along the column blocks
                (z; varlen: x, as pieces * HV * column blocks);
-               fwd_combine (N, HV, ceil(V / 32)); fwd_bound (pieces, HV, 1)
+               fwd_combine (N, HV, ceil(V / 32)); fwd_bound (pieces, HV, 1); fwd_fixup
+               (pieces * shares * ceil(V / 64), HV, 1)
 
 `threads` and `smem` (bytes of dynamic shared memory, default 0) are numbers or
 expressions in the variant's axes.
@@ -59,6 +60,13 @@ STAGES = {
                         threads="2*bv+256+128*(bv==64)", smem="1024*(34+bk) if bv == 128 else 1024*(bk*3//2+35)"),
     "fwd_bound":   dict(axes={}, grid="fused", threads=512),
     "fwd_combine": dict(axes={}, grid="fused", threads=512),
+    # the exact split's outputs: the start states' part added to o where the transition pass
+    # stored each segment's output from a zero start (kda.h's kda__fused_fwd, p.fz_qt)
+    "fwd_fixup":   dict(axes={"dtype": ["f16", "bf16"]}, grid="fused", threads=128, smem=70656),
+    # ... after the transition pass of every segment, each later segment's output from its zero
+    # start stored (fwd_fused.cu.j2's TRANS: kernels of their own, which leave pass 0's code as it was)
+    "fwd_fused_trans": dict(axes={"dtype": ["f16", "bf16"], "bk": [64, 128], "bv": [64, 128], "varlen": [0, 1]}, grid="fused",
+                        threads="2*bv+256+128*(bv==64)", smem="1024*(34+bk) if bv == 128 else 1024*(bk*3//2+35)"),
     # backward
     "bwd_dav":     dict(axes={"bt": BTS, "dtype": DTYPES}, grid="chunk_head", threads=256),
     "bwd_dhu":     dict(axes={"bt": BTS, "bk": TILES, "bv": [32], "dtype": DTYPES}, grid="seq_head_v", threads=256),
@@ -84,6 +92,8 @@ STAGES = {
     "fwd_fused_pairs": dict(axes={"dtype": ["f16", "bf16"], "bk": [64, 128], "bv": [128], "varlen": [0, 1]}, grid="fused",
                         threads="2*bv+256", smem="1024*(36+bk+bk//4)"),
     "fwd_fused_bounded_pairs": dict(axes={"dtype": ["f16", "bf16"], "bk": [64, 128], "bv": [128], "varlen": [0, 1]}, grid="fused",
+                        threads="2*bv+256", smem="1024*(36+bk+bk//4)"),
+    "fwd_fused_trans_pairs": dict(axes={"dtype": ["f16", "bf16"], "bk": [64, 128], "bv": [128], "varlen": [0, 1]}, grid="fused",
                         threads="2*bv+256", smem="1024*(36+bk+bk//4)"),
 }
 

@@ -68,6 +68,7 @@ static std::vector<unsigned char> emu_o_bounded; // o as the bounded pass left i
 static size_t emu_o_bytes;                       // (0: none copied; a test that sets it clears it after)
 static long long emu_cut[2];                    // and its pieces a sequence and their chunks (fixed lengths)
 static long long emu_exact_cut[3];              // the exact passes' after it: pieces, a sequence's, their chunks
+static int emu_fixups;                           // fwd_fixup launches (the exact split's fix-up)
 static long long emu_trans_cut[2] = {-1, -1};   // the last transition pass's fz_each and fz_lead (fixed lengths' cut)
 static std::vector<int> emu_trans_first;        // and its piece table's first chunks by slot (varlen)
 static std::vector<double> emu_warm_sums;      // fwd_bound's bound recomputed on the host: [slot][HV], NAN where no state is dropped
@@ -164,12 +165,14 @@ static kda_status emu_launch(kda_context *ctx, const kda__kdesc *k, const unsign
                     emu_pieces.assign(a->fz_piece, a->fz_piece ? a->fz_piece + 3 * a->fz_npieces + a->N + 1 : a->fz_piece),
                     emu_cut[0] = a->fz_nseg, emu_cut[1] = a->fz_each, emu_redo = a->fz_redo ? *a->fz_redo == (int)a->fz_call : -1,
                     emu_o_bounded.assign((const unsigned char *)a->o, (const unsigned char *)a->o + emu_o_bytes);
-            if ((!strcmp(k->stage, "fwd_fused") || !strcmp(k->stage, "fwd_fused_pairs")) && a->fz_mode == 1)
+            const bool trans = !strncmp(k->stage, "fwd_fused_trans", 15); // (the fix-up's transition pass)
+            if ((!strcmp(k->stage, "fwd_fused") || !strcmp(k->stage, "fwd_fused_pairs") || trans) && a->fz_mode == 1)
                 emu_trans_cut[0] = a->fz_each, emu_trans_cut[1] = a->fz_lead,
                 emu_trans_first.assign(a->fz_piece ? a->fz_piece + 2 * a->fz_npieces : a->fz_piece,
                                        a->fz_piece ? a->fz_piece + 3 * a->fz_npieces : a->fz_piece);
-            if ((!strcmp(k->stage, "fwd_fused") || !strcmp(k->stage, "fwd_fused_pairs")) && a->fz_mode == 0 && a->fz_flags)
+            if ((((!strcmp(k->stage, "fwd_fused") || !strcmp(k->stage, "fwd_fused_pairs")) && a->fz_mode == 0) || trans) && a->fz_flags)
                 emu_exact_cut[0] = a->fz_npieces, emu_exact_cut[1] = a->fz_nseg, emu_exact_cut[2] = a->fz_each;
+            emu_fixups += !strcmp(k->stage, "fwd_fixup");
             return KDA_OK;
         }
     return kda__fail(ctx, KDA_ERROR_INTERNAL, "emulator: no kernel %s", k->name);
@@ -646,6 +649,11 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
     if (paired) op.init(I.nv * es), htp.init(nst * 4);
     setenv("KDA_SEGMENTS", segments, 1);
     setenv("KDA_FUSED_BV", bv, 1);
+    // The exact split's fix-up or its output pass, whichever the model times faster, may differ
+    // between the paired and the unpaired plan: both sides take the fix-up where it applies
+    // (an odd number of segments) or neither (even), so that each path meets its twin
+    const bool had_fixup = getenv("KDA_FIXUP") != NULL;
+    if (!had_fixup) setenv("KDA_FIXUP", atoi(segments) % 2 ? "2" : "0", 1);
 #ifdef KDA_TEST_EMU
     const int before = emu_fused, pairs_before = emu_pairs;
 #endif
@@ -671,6 +679,7 @@ static void run_fused(const Cfg &cf, const char *segments, FusedGate gate, const
     if (paired) unsetenv("KDA_FUSED_PAIRS");
     unsetenv("KDA_SEGMENTS");
     unsetenv("KDA_FUSED_BV");
+    if (!had_fixup) unsetenv("KDA_FIXUP");
 #ifdef KDA_TEST_EMU
     CHECK(emu_fused > before, "%s: the fused kernel did not run", cf.name);
     CHECK(may_pair || emu_pairs == pairs_before, "%s (segments %s, bv %s): pairs ran %d times", cf.name, segments, bv,
@@ -1298,8 +1307,8 @@ static void run_fused_exact_plan_times_every_candidate() {
     const long long len = 8192;
     kda__fz_plan bounded, exact;
     memset(&bounded, 0, sizeof bounded); memset(&exact, 0, sizeof exact);
-    CHECK(kf && kda__fused_plan(ctx, &p, kf, &len, 1, LLONG_MAX, 16, &bounded) == KDA_OK &&
-              kda__fused_plan(ctx, &p, kf, &len, 1, LLONG_MAX, -1, &exact) == KDA_OK, "exact plan: %s", kda_last_error(ctx));
+    CHECK(kf && kda__fused_plan(ctx, &p, kf, &len, 1, LLONG_MAX, 16, 0, &bounded) == KDA_OK &&
+              kda__fused_plan(ctx, &p, kf, &len, 1, LLONG_MAX, -1, 0, &exact) == KDA_OK, "exact plan: %s", kda_last_error(ctx));
     CHECK(bounded.np == 4 && exact.np == 5, "exact plan: the bounded split in %lld pieces (want 4), the exact one in %lld (want 5)",
           bounded.np, exact.np);
     kda_context_destroy(ctx);
@@ -1338,7 +1347,7 @@ static void run_fused_exact_split_leads_with_a_longer_first_piece() {
         for (int led = 0; led < 2; led++) { // KDA_LEAD=0, then the plan's own
             memset(&pl[led], 0, sizeof pl[led]); memset(&pe[led], 0, sizeof pe[led]);
             if (!led) setenv("KDA_LEAD", "0", 1);
-            kx[led] = kda__fused_variant(ctx, &p, w.K <= 64 ? k64 : k128, len.data(), w.B, LLONG_MAX, -1, &pl[led], &pe[led], &ke, &st);
+            kx[led] = kda__fused_variant(ctx, &p, w.K <= 64 ? k64 : k128, len.data(), w.B, LLONG_MAX, -1, 0, &pl[led], &pe[led], &ke, &st);
             unsetenv("KDA_LEAD");
             CHECK(kx[led] && st == KDA_OK, "exact lead: %s", kda_last_error(ctx));
         }
@@ -1370,9 +1379,9 @@ static void run_fused_column_plan_pairs_long_pieces_with_short() {
     kda__fz_plan pl, uni;
     memset(&pl, 0, sizeof pl); memset(&uni, 0, sizeof uni);
     setenv("KDA_SEGMENTS", "4", 1);
-    CHECK(kf && kda__fused_plan(ctx, &p, kf, len.data(), N, LLONG_MAX, warm, &uni) == KDA_OK, "column plan: %s", kda_last_error(ctx));
+    CHECK(kf && kda__fused_plan(ctx, &p, kf, len.data(), N, LLONG_MAX, warm, 0, &uni) == KDA_OK, "column plan: %s", kda_last_error(ctx));
     unsetenv("KDA_SEGMENTS");
-    CHECK(kf && kda__fused_plan(ctx, &p, kf, len.data(), N, LLONG_MAX, warm, &pl) == KDA_OK &&
+    CHECK(kf && kda__fused_plan(ctx, &p, kf, len.data(), N, LLONG_MAX, warm, 0, &pl) == KDA_OK &&
               kda__fused_table(ctx, &p, len.data(), N, warm, &pl) == KDA_OK && pl.tab, "column plan: %s", kda_last_error(ctx));
     CHECK(uni.cols == 0 && pl.cols == 290 && pl.ncol == 8 && pl.time == 290 + KDA__FZ_CHECK && uni.time == 305 + KDA__FZ_CHECK,
           "column plan: makespan %lld on %lld columns, %g chunk-times against the uniform cut's %g", pl.cols, pl.ncol, pl.time, uni.time);
@@ -1418,9 +1427,9 @@ static void run_fused_exact_passes_pick_their_own_tile() {
     kda__fz_plan pl, pe, xl, xe;
     kda_status st = KDA_OK;
     memset(&pl, 0, sizeof pl); memset(&pe, 0, sizeof pe); memset(&xl, 0, sizeof xl); memset(&xe, 0, sizeof xe);
-    kb = kf ? kda__fused_variant(ctx, &p, kf, len, 4, LLONG_MAX, 16, &pl, &pe, &ke, &st) : NULL;
+    kb = kf ? kda__fused_variant(ctx, &p, kf, len, 4, LLONG_MAX, 16, 0, &pl, &pe, &ke, &st) : NULL;
     CHECK(kb && ke && st == KDA_OK, "exact tile: %s", kda_last_error(ctx));
-    kx = kf && kb ? kda__fused_variant(ctx, &p, kf, len, 4, LLONG_MAX, -1, &xl, &xe, &kxe, &st) : NULL;
+    kx = kf && kb ? kda__fused_variant(ctx, &p, kf, len, 4, LLONG_MAX, -1, 0, &xl, &xe, &kxe, &st) : NULL;
     CHECK(kx && kxe == kx && st == KDA_OK, "exact tile, the exact split alone: %s", kda_last_error(ctx));
     if (kb && ke && kx) {
         CHECK(kb->bv == 128 && ke->bv == 64, "exact tile: the bounded split's tile %d (want 128), the exact passes' %d (want 64)",
@@ -1511,24 +1520,31 @@ static void run_fused_workspace_query_is_the_plans_need() {
         if (!kf) continue;
         const long long warm = kda__fused_warm(kf, &p);
         const kda__fz_mem m = kda__fz_mem_of(&p, N, warm, 0);
-        CHECK(q >= m.fixed && (q - m.fixed) % m.piece == 0, "%s: %zu bytes, not %zu and whole pieces of %zu", name, q, m.fixed, m.piece);
-        const long long P = (long long)((q - m.fixed) / m.piece);
-        CHECK(sh.split ? P > 0 && q < kda_fwd_workspace_size(&p) / 20 : q == m.fixed,
-              "%s: %zu bytes (%lld pieces), the staged need %zu", name, q, P, kda_fwd_workspace_size(&p));
         kda__fz_plan pl[3], pe[3];
         const kda__kdesc *k[3], *ke[3];
-        const long long caps[3] = {LLONG_MAX, P, P - 1};
-        for (int c = 0; c < (P > 0 ? 3 : 2); c++) {
+        long long caps[3] = {LLONG_MAX, 0, 0}, P = 0;
+        const int fx = kda__fused_fixup(&p);
+        for (int c = 0; c < (P > 0 ? 3 : c ? 2 : 1); c++) {
             kda_status st = KDA_OK;
             memset(&pl[c], 0, sizeof pl[c]); memset(&pe[c], 0, sizeof pe[c]);
-            k[c] = kda__fused_variant(ctx, &p, kf, len.data(), N, caps[c], warm, &pl[c], &pe[c], &ke[c], &st);
+            k[c] = kda__fused_variant(ctx, &p, kf, len.data(), N, caps[c], warm, fx, &pl[c], &pe[c], &ke[c], &st);
             CHECK(k[c] && st == KDA_OK, "%s: the plan with a cap of %lld: %s", name, caps[c], kda_last_error(ctx));
+            if (c || !k[0]) continue;
+            // the pieces the query holds, and the exact split's fix-up's qt where its plan takes it
+            const size_t qt = pe[0].np > N && pe[0].fx ? m.qt : 0;
+            CHECK(q >= m.fixed + qt && (q - m.fixed - qt) % m.piece == 0, "%s: %zu bytes, not %zu (+ %zu) and whole pieces of %zu", name,
+                  q, m.fixed, qt, m.piece);
+            P = (long long)((q - m.fixed - qt) / m.piece);
+            caps[1] = P, caps[2] = P - 1;
+            CHECK(sh.split ? P > 0 && q < kda_fwd_workspace_size(&p) / (qt ? 4 : 20) : q == m.fixed,
+                  "%s: %zu bytes (%lld pieces), the staged need %zu", name, q, P, kda_fwd_workspace_size(&p));
         }
         if (!k[0] || !k[1]) continue;
         const long long most = std::max(pl[0].np > N ? pl[0].np : 0, pe[0].np > N ? pe[0].np : 0);
         CHECK(most == P, "%s: the plans' pieces %lld and %lld, the query's %lld", name, pl[0].np, pe[0].np, P);
         CHECK(k[1] == k[0] && ke[1] == ke[0] && pl[1].np == pl[0].np && pe[1].np == pe[0].np && pl[1].cand == pl[0].cand &&
-                  pe[1].cand == pe[0].cand && pl[1].lead == pl[0].lead && pe[1].lead == pe[0].lead && pl[1].cols == pl[0].cols,
+                  pe[1].cand == pe[0].cand && pl[1].lead == pl[0].lead && pe[1].lead == pe[0].lead && pl[1].cols == pl[0].cols &&
+                  pe[1].fx == pe[0].fx,
               "%s: a workspace of the query's bytes plans %s in %lld/%lld pieces, its own %s in %lld/%lld", name, k[1]->name, pl[1].np,
               pe[1].np, k[0]->name, pl[0].np, pe[0].np);
         if (P > 0 && k[2])
@@ -1563,6 +1579,94 @@ static void run_fused_workspace_query_is_the_plans_need() {
         }
     }
     kda_context_destroy(ctx);
+}
+
+// The exact split's fix-up (a transition pass of every piece, fwd_combine on to ht, fwd_fixup)
+// against its output pass (KDA_FIXUP=0), end to end with Kimi Linear's gates on 6
+// multiprocessors (a split): against the CPU's forward, o and ht as close as the output
+// pass's to within a quarter (the rounding of o's extra pass and of the identity blocks'
+// outputs; bf16, f16; fixed lengths and varlen, whose short sequence runs whole in the
+// transition pass, its ht from there), three pieces (KDA_SEGMENTS) and the fix-up taken
+// where it applies (KDA_FIXUP=2) whatever the model says. A caller's workspace a byte short
+// of the fix-up's least (its qt and two pieces) runs the output pass; K > V runs it too (the
+// identity blocks' outputs go where o's would).
+static double rel_err(const Out &a, kda_dtype t, size_t n) { // device (h) against CPU (c), normwise
+    double d = 0, r = 0;
+    for (size_t i = 0; i < n; i++) {
+        const double x = kda__ld(a.h.data(), t, i), y = kda__ld(a.c.data(), t, i);
+        d += (x - y) * (x - y), r += y * y;
+    }
+    return r > 0 ? sqrt(d / r) : (d > 0 ? 1.0 : 0.0);
+}
+static void run_fused_fixup_matches_the_output_pass() {
+    t_current = "fused";
+    struct S { int T, K, V; kda_dtype dt; bool varlen; } shapes[] = {
+        {512, 64, 64, KDA_BF16, false}, {400, 48, 72, KDA_F16, false}, {520, 64, 64, KDA_BF16, true}, {1024, 72, 48, KDA_BF16, false}};
+    for (const S &sh : shapes) {
+        kda_context *ctx = emu_ctx_sms(6, "fix-up");
+        if (!ctx) return;
+        char name[96];
+        snprintf(name, sizeof name, "fused_fixup_T%d_K%d_V%d_%s%s", sh.T, sh.K, sh.V, kda_dtype_name(sh.dt), sh.varlen ? "_varlen" : "");
+        kda_problem p0 = kda_problem_default(1, sh.T, 1, sh.K, sh.V);
+        p0.dtype = sh.dt; p0.gate = KDA_GATE_SOFTPLUS;
+        std::vector<long long> cu = {0, 40, sh.T}; // (varlen: a short sequence beside a long one)
+        if (sh.varlen) p0.num_seqs = 2, p0.seqlens_type = KDA_INDEX_I64;
+        t_inst I;
+        DevIn X;
+        t_inst_init(&I, &p0, sh.varlen ? cu.data() : NULL, 1, 0);
+        Uni uni{7u + (unsigned)sh.T};
+        kimi_gates(I, p0.HV, p0.K, uni);
+        for (size_t i = 0; i < I.nb; i++) I.beta[i] = (float)uni();
+        dev_inputs(X, I);
+        const size_t ob = I.nv * kda_dtype_size(I.p.dtype);
+        Out o[3], ht[3];
+        int fixups[3], nseg = 0;
+        size_t qo = 0, qf = 0;
+        kda_fwd_outputs out;
+        memset(&out, 0, sizeof out);
+        o[0].init(ob); ht[0].init(I.ns * 4);
+        out.o = o[0].c.data(), out.ht = (float *)ht[0].c.data();
+        CHECK(kda_chunk_fwd(t_cpu(), &I.p, &X.host, &out) == KDA_OK, "%s: CPU fwd: %s", name, kda_last_error(t_cpu()));
+        setenv("KDA_SEGMENTS", "3", 1);
+        setenv("KDA_FIXUP", "0", 1);
+        CHECK(kda_chunk_fwd_workspace(ctx, &I.p, &out, sh.varlen ? cu.data() : NULL, &qo) == KDA_OK, "%s: %s", name, kda_last_error(ctx));
+        setenv("KDA_FIXUP", "2", 1);
+        CHECK(kda_chunk_fwd_workspace(ctx, &I.p, &out, sh.varlen ? cu.data() : NULL, &qf) == KDA_OK, "%s: %s", name, kda_last_error(ctx));
+        const bool fx = sh.K <= sh.V;
+        CHECK(fx ? qf > qo : qf == qo, "%s: the fix-up's workspace %zu, the output pass's %zu", name, qf, qo);
+        const kda__kdesc *kf = kda__fused_wanted(ctx, &I.p, &out);
+        const kda__fz_mem m = kda__fz_mem_of(&I.p, kda_num_seqs(&I.p), kf ? kda__fused_warm(kf, &I.p) : -1, 0);
+        const size_t short_ws = m.fixed + m.qt + 2 * m.piece - 1;
+        void *ws = dalloc(short_ws);
+        for (int run = 0; run < 3; run++) { // KDA_FIXUP=0; the default; the default in a workspace short of the fix-up's
+            if (run) o[run].init(ob), ht[run].init(I.ns * 4), o[run].c = o[0].c, ht[run].c = ht[0].c;
+            out.o = o[run].d, out.ht = (float *)ht[run].d;
+            setenv("KDA_FIXUP", run ? "2" : "0", 1);
+            kda_set_workspace(ctx, run == 2 ? ws : NULL, run == 2 ? short_ws : 0);
+            emu_fixups = 0;
+            CHECK(kda_chunk_fwd(ctx, &I.p, &X.dev, &out) == KDA_OK, "%s: fwd %d: %s", name, run, kda_last_error(ctx));
+            fixups[run] = emu_fixups;
+            if (run == 1) nseg = emu_fused_nseg;
+            o[run].fetch(); ht[run].fetch();
+        }
+        kda_set_workspace(ctx, NULL, 0);
+        unsetenv("KDA_FIXUP");
+        unsetenv("KDA_SEGMENTS");
+        CHECK(nseg > 1, "%s: %d pieces (want a split)", name, nseg);
+        CHECK(fixups[0] == 0 && fixups[1] == (fx ? 1 : 0) && fixups[2] == 0, "%s: fwd_fixup ran %d, %d and %d times", name, fixups[0],
+              fixups[1], fixups[2]);
+        const double eo[3] = {rel_err(o[0], I.p.dtype, I.nv), rel_err(o[1], I.p.dtype, I.nv), rel_err(o[2], I.p.dtype, I.nv)};
+        const double eh[3] = {rel_err(ht[0], KDA_F32, I.ns), rel_err(ht[1], KDA_F32, I.ns), rel_err(ht[2], KDA_F32, I.ns)};
+        for (int run = 1; run < 3; run++)
+            CHECK(eo[run] <= 1.25 * eo[0] && eh[run] <= 1.25 * eh[0] + 1e-6,
+                  "%s: against the CPU, run %d's o %.3g and ht %.3g, the output pass's %.3g and %.3g", name, run, eo[run], eh[run], eo[0], eh[0]);
+        CHECK(fx ? memcmp(o[0].h.data(), o[1].h.data(), ob) != 0 : !memcmp(o[0].h.data(), o[1].h.data(), ob), "%s: o %s", name,
+              fx ? "the same bits: no fix-up" : "differs");
+        printf("%s: o %.3g (output pass %.3g), ht %.3g (%.3g)\n", name, eo[1], eo[0], eh[1], eh[0]);
+        dfree_all();
+        t_inst_free(&I);
+        kda_context_destroy(ctx);
+    }
 }
 
 // End to end (6 multiprocessors, Kimi Linear's gates: the exact split): a caller's workspace
@@ -2097,6 +2201,7 @@ int main(int argc, char **argv) {
 #ifdef KDA_TEST_EMU
         if (!race) run_fused_replans_for_new_lengths();
         if (!race) run_fused_runs_its_own_split_in_the_queried_workspace();
+        if (!race) run_fused_fixup_matches_the_output_pass();
         // (clusters of two 512-thread blocks, slow under the sanitizers: make test runs it)
         if (every) run_fused_failed_bounds_redone_in_the_exact_tile();
         if (!race) run_fused_bound_flags_match_the_warmup_sums(); // (values: the bounded splits above run both kernels)
