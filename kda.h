@@ -3405,18 +3405,24 @@ static const kda__kdesc *kda__fused_pairs_of(const kda__kdesc *k) {
     return kda__fused_like(strcmp(k->stage, "fwd_fused") ? "fwd_fused_bounded_pairs" : "fwd_fused_pairs", k);
 }
 
-/* Whether the exact split adds the start states' part to o in one pass over memory
- * (fwd_fixup) instead of an output pass that recomputes every piece but the first: where
- * fwd_fixup exists for p's dtype, K <= V (the transition pass's identity blocks store their
- * outputs where o's would go) and KDA_FIXUP is not 0; 2 where KDA_FIXUP=2 takes it whatever
- * the model says (kda__fused_exact). It needs mem's qt too, which a caller's workspace may
- * not hold (kda__fused_fwd then takes the output pass). */
+/* Whether the exact split may add the start states' part to o in one pass over memory
+ * (fwd_fixup) instead of an output pass that recomputes every piece but the first: where K <=
+ * V (the transition pass's identity blocks store their outputs where o's would go) and
+ * KDA_FIXUP is not 0; 2 where KDA_FIXUP=2 takes it whatever the model says. The plan
+ * (kda__fused_exact) takes it where its kernels exist (kda__fused_fixup_for). It needs mem's
+ * qt too, which a caller's workspace may not hold (kda__fused_fwd then takes the output pass).
+ * (No table scan here: it runs every call, and two scans a call took B8 T4096 H16 0.6% and
+ * K128 V256 1% longer in kda-bench, whose events time the host's planning too; H200, 2026-11-30) */
 static int kda__fused_fixup(const kda_problem *p) {
     const int e = kda__env_int("KDA_FIXUP", 1); /* 0: never; 1: where the model times it faster; 2: always (tests, tuning) */
+    return p->K > p->V || e <= 0 ? 0 : e > 1 ? 2 : 1;
+}
+/* The fix-up's kernels for exact tile k (its transition pass, unpaired; and fwd_fixup), or 0 */
+static int kda__fused_fixup_for(const kda__kdesc *k) {
     int i;
-    if (p->K > p->V || e <= 0) return 0;
+    if (!kda__fused_like("fwd_fused_trans", k)) return 0;
     for (i = 0; i < KDA__NUM_KERNELS; i++)
-        if (!strcmp(kda__kernels[i].stage, "fwd_fixup") && kda__kernels[i].dtype == (int)p->dtype) return e > 1 ? 2 : 1;
+        if (!strcmp(kda__kernels[i].stage, "fwd_fixup") && kda__kernels[i].dtype == k->dtype) return 1;
     return 0;
 }
 /* Indices of the kernels a forward, backward and decode of p use (the fused forward's
@@ -3455,7 +3461,7 @@ int kda_kernels_needed(kda_context *ctx, const kda_problem *p, int *idx, int max
                 n += add[a] != NULL;
             }
         }
-        if (stages[i] == KDA__STAGE_FWD_FUSED && kda__fused_fixup(p)) {
+        if (stages[i] == KDA__STAGE_FWD_FUSED && kda__fused_fixup(p) && kda__fused_fixup_for(k)) {
             const kda__kdesc *x = kda__kernel_find(ctx, KDA__STAGE_FWD_FIXUP, p);
             if (!x) return -1;
             if (n < max && idx) idx[n] = (int)(x - kda__kernels);
@@ -4331,10 +4337,10 @@ static kda_status kda__fused_exact(kda_context *ctx, const kda_problem *p, const
     kda__fz_plan o;
     const kda__kdesc *ko;
     kda_status st = kda__fused_best(ctx, p, kf, len, nseq, cap, -1, 0, pe, ke);
-    if (st || !fx || (st = kda__fused_best(ctx, p, kf, len, nseq, cap, -1, 1, &o, &ko))) return st;
+    if (st || !fx || !kda__fused_fixup_for(kf) || (st = kda__fused_best(ctx, p, kf, len, nseq, cap, -1, 1, &o, &ko))) return st;
     kda__log(ctx, "exact split: %s in %lld piece(s) %.0f chunk-times, the fix-up %s in %lld %.0f", (*ke)->name, pe->np, pe->time,
              ko->name, o.np, o.time);
-    if ((o.time * KDA__FIX_MARGIN < pe->time || fx > 1) && o.np > nseq) kda__free(ctx, pe->tab), *pe = o, *ke = ko;
+    if ((o.time * KDA__FIX_MARGIN < pe->time || fx > 1) && o.np > nseq && kda__fused_fixup_for(ko)) kda__free(ctx, pe->tab), *pe = o, *ke = ko;
     else kda__free(ctx, o.tab);
     return KDA_OK;
 }
@@ -4516,7 +4522,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     const kda__fz_mem m = kda__fz_mem_of(p, N, warm, c->ws_front);
     /* the fix-up, where a caller's workspace holds its qt and two pieces besides */
     const int fx = !ctx->workspace || ctx->workspace_size >= m.fixed + m.qt + 2 * m.piece ? kda__fused_fixup(p) : 0;
-    const kda__kdesc *kx = fx ? kda__kernel_find(ctx, KDA__STAGE_FWD_FIXUP, p) : NULL;
+    const kda__kdesc *kx = NULL; /* fwd_fixup, where the plan takes it */
     size_t bt = 0, bs = 0, bf = 0, tp = 0, te = 0, bq = 0;
     long long cap = LLONG_MAX;
     unsigned grid[3];
@@ -4530,7 +4536,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     const kda__kdesc *ke; /* the exact passes' value tile (the bounded split's may differ) */
     const kda__kdesc *pairs, *pairs_b, *pairs_t; /* the output pass's pairs kernel and the bounded pass's, where the column
                                                   * blocks go in pairs, and the transition pass's (value and identity blocks) */
-    if (!kc || !kb || (fx && !kx)) return KDA_ERROR_UNSUPPORTED;
+    if (!kc || !kb) return KDA_ERROR_UNSUPPORTED;
     if (kda__fz_maxnch(c->s.len, N) == 0) return KDA_OK;
     /* a caller's workspace bounds the pieces */
     if (ctx->workspace) {
@@ -4548,7 +4554,10 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     nve = kda__fused_vblocks(ke, p);
     if (pl.np > N && m.flags) bf = (size_t)pl.np * m.flags + sizeof(int); /* and fz_redo */
     if (pe.np > N) bt = (size_t)pe.np * m.trans, bs = (size_t)pe.np * m.start;
-    if (pe.np > N && pe.fx) bq = m.qt;
+    if (pe.np > N && pe.fx) {
+        bq = m.qt;
+        if (!(kx = kda__kernel_find(ctx, KDA__STAGE_FWD_FIXUP, p))) return KDA_ERROR_UNSUPPORTED;
+    }
     if (pl.tab) tp = sizeof(int) * KDA__FZ_TAB(pl.np, N);
     if (pe.tab && pe.tab != pl.tab) te = sizeof(int) * KDA__FZ_TAB(pe.np, N); /* (right after pl.tab) */
     if (cap < LLONG_MAX) kda__log(ctx, "%s: the caller's workspace holds %lld piece(s)", kf->name, cap);

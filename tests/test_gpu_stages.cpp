@@ -1123,7 +1123,6 @@ static void run_fused_column_plan_end_to_end(bool fail1) {
     kda_context_destroy(cpu);
 }
 
-#ifdef KDA_TEST_EMU
 // A seeded uniform in [0, 1) (an LCG): a test's own values, apart from t_randn's stream
 struct Uni {
     unsigned s;
@@ -1148,6 +1147,7 @@ static void kimi_inputs(t_inst &I, DevIn &X, const kda_problem &p0, unsigned see
     dev_inputs(X, I);
 }
 
+#ifdef KDA_TEST_EMU
 // fwd_bound flags a piece exactly where its warm-up's bound B (the sum over its tokens of the
 // largest gate, base 2) exceeds -24: each gate form and g dtype, per-channel biases, K that
 // takes the rows' 4-value loads (64, 128) and K that does not (50), fixed lengths and varlen.
@@ -1581,94 +1581,6 @@ static void run_fused_workspace_query_is_the_plans_need() {
     kda_context_destroy(ctx);
 }
 
-// The exact split's fix-up (a transition pass of every piece, fwd_combine on to ht, fwd_fixup)
-// against its output pass (KDA_FIXUP=0), end to end with Kimi Linear's gates on 6
-// multiprocessors (a split): against the CPU's forward, o and ht as close as the output
-// pass's to within a quarter (the rounding of o's extra pass and of the identity blocks'
-// outputs; bf16, f16; fixed lengths and varlen, whose short sequence runs whole in the
-// transition pass, its ht from there), three pieces (KDA_SEGMENTS) and the fix-up taken
-// where it applies (KDA_FIXUP=2) whatever the model says. A caller's workspace a byte short
-// of the fix-up's least (its qt and two pieces) runs the output pass; K > V runs it too (the
-// identity blocks' outputs go where o's would).
-static double rel_err(const Out &a, kda_dtype t, size_t n) { // device (h) against CPU (c), normwise
-    double d = 0, r = 0;
-    for (size_t i = 0; i < n; i++) {
-        const double x = kda__ld(a.h.data(), t, i), y = kda__ld(a.c.data(), t, i);
-        d += (x - y) * (x - y), r += y * y;
-    }
-    return r > 0 ? sqrt(d / r) : (d > 0 ? 1.0 : 0.0);
-}
-static void run_fused_fixup_matches_the_output_pass() {
-    t_current = "fused";
-    struct S { int T, K, V; kda_dtype dt; bool varlen; } shapes[] = {
-        {512, 64, 64, KDA_BF16, false}, {400, 48, 72, KDA_F16, false}, {520, 64, 64, KDA_BF16, true}, {1024, 72, 48, KDA_BF16, false}};
-    for (const S &sh : shapes) {
-        kda_context *ctx = emu_ctx_sms(6, "fix-up");
-        if (!ctx) return;
-        char name[96];
-        snprintf(name, sizeof name, "fused_fixup_T%d_K%d_V%d_%s%s", sh.T, sh.K, sh.V, kda_dtype_name(sh.dt), sh.varlen ? "_varlen" : "");
-        kda_problem p0 = kda_problem_default(1, sh.T, 1, sh.K, sh.V);
-        p0.dtype = sh.dt; p0.gate = KDA_GATE_SOFTPLUS;
-        std::vector<long long> cu = {0, 40, sh.T}; // (varlen: a short sequence beside a long one)
-        if (sh.varlen) p0.num_seqs = 2, p0.seqlens_type = KDA_INDEX_I64;
-        t_inst I;
-        DevIn X;
-        t_inst_init(&I, &p0, sh.varlen ? cu.data() : NULL, 1, 0);
-        Uni uni{7u + (unsigned)sh.T};
-        kimi_gates(I, p0.HV, p0.K, uni);
-        for (size_t i = 0; i < I.nb; i++) I.beta[i] = (float)uni();
-        dev_inputs(X, I);
-        const size_t ob = I.nv * kda_dtype_size(I.p.dtype);
-        Out o[3], ht[3];
-        int fixups[3], nseg = 0;
-        size_t qo = 0, qf = 0;
-        kda_fwd_outputs out;
-        memset(&out, 0, sizeof out);
-        o[0].init(ob); ht[0].init(I.ns * 4);
-        out.o = o[0].c.data(), out.ht = (float *)ht[0].c.data();
-        CHECK(kda_chunk_fwd(t_cpu(), &I.p, &X.host, &out) == KDA_OK, "%s: CPU fwd: %s", name, kda_last_error(t_cpu()));
-        setenv("KDA_SEGMENTS", "3", 1);
-        setenv("KDA_FIXUP", "0", 1);
-        CHECK(kda_chunk_fwd_workspace(ctx, &I.p, &out, sh.varlen ? cu.data() : NULL, &qo) == KDA_OK, "%s: %s", name, kda_last_error(ctx));
-        setenv("KDA_FIXUP", "2", 1);
-        CHECK(kda_chunk_fwd_workspace(ctx, &I.p, &out, sh.varlen ? cu.data() : NULL, &qf) == KDA_OK, "%s: %s", name, kda_last_error(ctx));
-        const bool fx = sh.K <= sh.V;
-        CHECK(fx ? qf > qo : qf == qo, "%s: the fix-up's workspace %zu, the output pass's %zu", name, qf, qo);
-        const kda__kdesc *kf = kda__fused_wanted(ctx, &I.p, &out);
-        const kda__fz_mem m = kda__fz_mem_of(&I.p, kda_num_seqs(&I.p), kf ? kda__fused_warm(kf, &I.p) : -1, 0);
-        const size_t short_ws = m.fixed + m.qt + 2 * m.piece - 1;
-        void *ws = dalloc(short_ws);
-        for (int run = 0; run < 3; run++) { // KDA_FIXUP=0; the default; the default in a workspace short of the fix-up's
-            if (run) o[run].init(ob), ht[run].init(I.ns * 4), o[run].c = o[0].c, ht[run].c = ht[0].c;
-            out.o = o[run].d, out.ht = (float *)ht[run].d;
-            setenv("KDA_FIXUP", run ? "2" : "0", 1);
-            kda_set_workspace(ctx, run == 2 ? ws : NULL, run == 2 ? short_ws : 0);
-            emu_fixups = 0;
-            CHECK(kda_chunk_fwd(ctx, &I.p, &X.dev, &out) == KDA_OK, "%s: fwd %d: %s", name, run, kda_last_error(ctx));
-            fixups[run] = emu_fixups;
-            if (run == 1) nseg = emu_fused_nseg;
-            o[run].fetch(); ht[run].fetch();
-        }
-        kda_set_workspace(ctx, NULL, 0);
-        unsetenv("KDA_FIXUP");
-        unsetenv("KDA_SEGMENTS");
-        CHECK(nseg > 1, "%s: %d pieces (want a split)", name, nseg);
-        CHECK(fixups[0] == 0 && fixups[1] == (fx ? 1 : 0) && fixups[2] == 0, "%s: fwd_fixup ran %d, %d and %d times", name, fixups[0],
-              fixups[1], fixups[2]);
-        const double eo[3] = {rel_err(o[0], I.p.dtype, I.nv), rel_err(o[1], I.p.dtype, I.nv), rel_err(o[2], I.p.dtype, I.nv)};
-        const double eh[3] = {rel_err(ht[0], KDA_F32, I.ns), rel_err(ht[1], KDA_F32, I.ns), rel_err(ht[2], KDA_F32, I.ns)};
-        for (int run = 1; run < 3; run++)
-            CHECK(eo[run] <= 1.25 * eo[0] && eh[run] <= 1.25 * eh[0] + 1e-6,
-                  "%s: against the CPU, run %d's o %.3g and ht %.3g, the output pass's %.3g and %.3g", name, run, eo[run], eh[run], eo[0], eh[0]);
-        CHECK(fx ? memcmp(o[0].h.data(), o[1].h.data(), ob) != 0 : !memcmp(o[0].h.data(), o[1].h.data(), ob), "%s: o %s", name,
-              fx ? "the same bits: no fix-up" : "differs");
-        printf("%s: o %.3g (output pass %.3g), ht %.3g (%.3g)\n", name, eo[1], eo[0], eh[1], eh[0]);
-        dfree_all();
-        t_inst_free(&I);
-        kda_context_destroy(ctx);
-    }
-}
-
 // End to end (6 multiprocessors, Kimi Linear's gates: the exact split): a caller's workspace
 // of kda_chunk_fwd_workspace's bytes runs the split the forward makes with its own, with
 // its bits.
@@ -1747,6 +1659,111 @@ static void run_fused_replans_for_new_lengths() {
     t_inst_free(&I2);
 }
 #endif
+
+// The exact split's fix-up (a transition pass of every piece, fwd_combine on to ht, fwd_fixup)
+// against its output pass (KDA_FIXUP=0), end to end with Kimi Linear's gates (the emulator:
+// 6 multiprocessors): against the CPU's forward, o and ht as close as the output
+// pass's to within a quarter (the rounding of o's extra pass and of the identity blocks'
+// outputs; bf16, f16; fixed lengths and varlen, whose short sequence runs whole in the
+// transition pass, its ht from there), three pieces (KDA_SEGMENTS) and the fix-up taken
+// where it applies (KDA_FIXUP=2) whatever the model says. A caller's workspace a byte short
+// of the fix-up's least (its qt and two pieces) runs the output pass; K > V runs it too (the
+// identity blocks' outputs go where o's would).
+static double rel_err(const Out &a, kda_dtype t, size_t n) { // device (h) against CPU (c), normwise
+    double d = 0, r = 0;
+    for (size_t i = 0; i < n; i++) {
+        const double x = kda__ld(a.h.data(), t, i), y = kda__ld(a.c.data(), t, i);
+        d += (x - y) * (x - y), r += y * y;
+    }
+    return r > 0 ? sqrt(d / r) : (d > 0 ? 1.0 : 0.0);
+}
+static void run_fused_fixup_matches_the_output_pass() {
+    t_current = "fused";
+    struct S { int T, K, V; kda_dtype dt; bool varlen; } shapes[] = {
+        {512, 64, 64, KDA_BF16, false}, {400, 48, 72, KDA_F16, false}, {520, 64, 64, KDA_BF16, true}, {1024, 72, 48, KDA_BF16, false}};
+    for (const S &sh : shapes) {
+#ifdef KDA_TEST_EMU
+        kda_context *ctx = emu_ctx_sms(6, "fix-up");
+        if (!ctx) return;
+#else
+        kda_context *ctx = g_dev;
+#endif
+        char name[96];
+        snprintf(name, sizeof name, "fused_fixup_T%d_K%d_V%d_%s%s", sh.T, sh.K, sh.V, kda_dtype_name(sh.dt), sh.varlen ? "_varlen" : "");
+        kda_problem p0 = kda_problem_default(1, sh.T, 1, sh.K, sh.V);
+        p0.dtype = sh.dt; p0.gate = KDA_GATE_SOFTPLUS;
+        std::vector<long long> cu = {0, 40, sh.T}; // (varlen: a short sequence beside a long one)
+        if (sh.varlen) p0.num_seqs = 2, p0.seqlens_type = KDA_INDEX_I64;
+        t_inst I;
+        DevIn X;
+        t_inst_init(&I, &p0, sh.varlen ? cu.data() : NULL, 1, 0);
+        Uni uni{7u + (unsigned)sh.T};
+        kimi_gates(I, p0.HV, p0.K, uni);
+        for (size_t i = 0; i < I.nb; i++) I.beta[i] = (float)uni();
+        dev_inputs(X, I);
+        const size_t ob = I.nv * kda_dtype_size(I.p.dtype);
+        Out o[3], ht[3];
+        int fixups[3], nseg = 0;
+        size_t qo = 0, qf = 0;
+        kda_fwd_outputs out;
+        memset(&out, 0, sizeof out);
+        o[0].init(ob); ht[0].init(I.ns * 4);
+        out.o = o[0].c.data(), out.ht = (float *)ht[0].c.data();
+        kda_context *cpu = t_cpu();
+        CHECK(kda_chunk_fwd(cpu, &I.p, &X.host, &out) == KDA_OK, "%s: CPU fwd: %s", name, kda_last_error(cpu));
+        kda_context_destroy(cpu);
+        setenv("KDA_SEGMENTS", "3", 1);
+        setenv("KDA_FIXUP", "0", 1);
+        CHECK(kda_chunk_fwd_workspace(ctx, &I.p, &out, sh.varlen ? cu.data() : NULL, &qo) == KDA_OK, "%s: %s", name, kda_last_error(ctx));
+        setenv("KDA_FIXUP", "2", 1);
+        CHECK(kda_chunk_fwd_workspace(ctx, &I.p, &out, sh.varlen ? cu.data() : NULL, &qf) == KDA_OK, "%s: %s", name, kda_last_error(ctx));
+        const bool fx = sh.K <= sh.V;
+        CHECK(fx ? qf > qo : qf == qo, "%s: the fix-up's workspace %zu, the output pass's %zu", name, qf, qo);
+        const kda__kdesc *kf = kda__fused_wanted(ctx, &I.p, &out);
+        const kda__fz_mem m = kda__fz_mem_of(&I.p, kda_num_seqs(&I.p), kf ? kda__fused_warm(kf, &I.p) : -1, 0);
+        const size_t short_ws = m.fixed + m.qt + 2 * m.piece - 1;
+        void *ws = dalloc(short_ws);
+        for (int run = 0; run < 3; run++) { // KDA_FIXUP=0; the default; the default in a workspace short of the fix-up's
+            if (run) o[run].init(ob), ht[run].init(I.ns * 4), o[run].c = o[0].c, ht[run].c = ht[0].c;
+            out.o = o[run].d, out.ht = (float *)ht[run].d;
+            setenv("KDA_FIXUP", run ? "2" : "0", 1);
+            kda_set_workspace(ctx, run == 2 ? ws : NULL, run == 2 ? short_ws : 0);
+#ifdef KDA_TEST_EMU
+            emu_fixups = 0;
+#endif
+            CHECK(kda_chunk_fwd(ctx, &I.p, &X.dev, &out) == KDA_OK, "%s: fwd %d: %s", name, run, kda_last_error(ctx));
+#ifdef KDA_TEST_EMU
+            fixups[run] = emu_fixups;
+            if (run == 1) nseg = emu_fused_nseg;
+#endif
+            o[run].fetch(); ht[run].fetch();
+        }
+        kda_set_workspace(ctx, NULL, 0);
+        unsetenv("KDA_FIXUP");
+        unsetenv("KDA_SEGMENTS");
+#ifdef KDA_TEST_EMU
+        CHECK(nseg > 1, "%s: %d pieces (want a split)", name, nseg);
+        CHECK(fixups[0] == 0 && fixups[1] == (fx ? 1 : 0) && fixups[2] == 0, "%s: fwd_fixup ran %d, %d and %d times", name, fixups[0],
+              fixups[1], fixups[2]);
+#else
+        (void)nseg, (void)fixups;
+#endif
+        const double eo[3] = {rel_err(o[0], I.p.dtype, I.nv), rel_err(o[1], I.p.dtype, I.nv), rel_err(o[2], I.p.dtype, I.nv)};
+        const double eh[3] = {rel_err(ht[0], KDA_F32, I.ns), rel_err(ht[1], KDA_F32, I.ns), rel_err(ht[2], KDA_F32, I.ns)};
+        for (int run = 1; run < 3; run++)
+            CHECK(eo[run] <= 1.25 * eo[0] && eh[run] <= 1.25 * eh[0] + 1e-6,
+                  "%s: against the CPU, run %d's o %.3g and ht %.3g, the output pass's %.3g and %.3g", name, run, eo[run], eh[run], eo[0], eh[0]);
+        CHECK(fx ? memcmp(o[0].h.data(), o[1].h.data(), ob) != 0 : !memcmp(o[0].h.data(), o[1].h.data(), ob), "%s: o %s", name,
+              fx ? "the same bits: no fix-up" : "differs");
+        printf("%s: o %.3g (output pass %.3g), ht %.3g (%.3g)\n", name, eo[1], eo[0], eh[1], eh[0]);
+        dfree_all();
+        t_inst_free(&I);
+#ifdef KDA_TEST_EMU
+        kda_context_destroy(ctx);
+#endif
+    }
+}
+
 
 #ifdef KDA_TEST_EMU
 // A fused config's inputs on the host and the device, for the tests that call the
@@ -2198,10 +2215,10 @@ int main(int argc, char **argv) {
             run_fused_column_plan_end_to_end(false);
         }
         if (!race) run_fused_column_plan_end_to_end(true);
+        if (!race) run_fused_fixup_matches_the_output_pass();
 #ifdef KDA_TEST_EMU
         if (!race) run_fused_replans_for_new_lengths();
         if (!race) run_fused_runs_its_own_split_in_the_queried_workspace();
-        if (!race) run_fused_fixup_matches_the_output_pass();
         // (clusters of two 512-thread blocks, slow under the sanitizers: make test runs it)
         if (every) run_fused_failed_bounds_redone_in_the_exact_tile();
         if (!race) run_fused_bound_flags_match_the_warmup_sums(); // (values: the bounded splits above run both kernels)
