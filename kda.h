@@ -3411,8 +3411,7 @@ static const kda__kdesc *kda__fused_pairs_of(const kda__kdesc *k) {
  * KDA_FIXUP is not 0; 2 where KDA_FIXUP=2 takes it whatever the model says. The plan
  * (kda__fused_exact) takes it where its kernels exist (kda__fused_fixup_for). It needs mem's
  * qt too, which a caller's workspace may not hold (kda__fused_fwd then takes the output pass).
- * (No table scan here: it runs every call, and two scans a call took B8 T4096 H16 0.6% and
- * K128 V256 1% longer in kda-bench, whose events time the host's planning too; H200, 2026-11-30) */
+ * (No table scan here: it runs every call, before the first launch.) */
 static int kda__fused_fixup(const kda_problem *p) {
     const int e = kda__env_int("KDA_FIXUP", 1); /* 0: never; 1: where the model times it faster; 2: always (tests, tuning) */
     return p->K > p->V || e <= 0 ? 0 : e > 1 ? 2 : 1;
@@ -4337,7 +4336,12 @@ static kda_status kda__fused_exact(kda_context *ctx, const kda_problem *p, const
     kda__fz_plan o;
     const kda__kdesc *ko;
     kda_status st = kda__fused_best(ctx, p, kf, len, nseq, cap, -1, 0, pe, ke);
-    if (st || !fx || !kda__fused_fixup_for(kf) || (st = kda__fused_best(ctx, p, kf, len, nseq, cap, -1, 1, &o, &ko))) return st;
+    if (st || !fx || !kda__fused_fixup_for(kf)) return st;
+    if ((st = kda__fused_best(ctx, p, kf, len, nseq, cap, -1, 1, &o, &ko))) {
+        kda__free(ctx, pe->tab);
+        pe->tab = NULL;
+        return st;
+    }
     kda__log(ctx, "exact split: %s in %lld piece(s) %.0f chunk-times, the fix-up %s in %lld %.0f", (*ke)->name, pe->np, pe->time,
              ko->name, o.np, o.time);
     if ((o.time * KDA__FIX_MARGIN < pe->time || fx > 1) && o.np > nseq && kda__fused_fixup_for(ko)) kda__free(ctx, pe->tab), *pe = o, *ke = ko;
