@@ -1665,7 +1665,7 @@ static void run_fused_replans_for_new_lengths() {
 // 6 multiprocessors): against the CPU's forward, o and ht as close as the output
 // pass's to within a quarter (the rounding of o's extra pass and of the identity blocks'
 // outputs; bf16, f16; fixed lengths and varlen, whose short sequence runs whole in the
-// transition pass, its ht from there), three pieces (KDA_SEGMENTS) and the fix-up taken
+// transition pass, its ht from there; K = 30, rows of odd lengths), three pieces (KDA_SEGMENTS) and the fix-up taken
 // where it applies (KDA_FIXUP=2) whatever the model says. A caller's workspace a byte short
 // of the fix-up's least (its qt and two pieces) runs the output pass; K > V runs it too (the
 // identity blocks' outputs go where o's would).
@@ -1680,7 +1680,8 @@ static double rel_err(const Out &a, kda_dtype t, size_t n) { // device (h) again
 static void run_fused_fixup_matches_the_output_pass() {
     t_current = "fused";
     struct S { int T, K, V; kda_dtype dt; bool varlen; } shapes[] = {
-        {512, 64, 64, KDA_BF16, false}, {400, 48, 72, KDA_F16, false}, {520, 64, 64, KDA_BF16, true}, {1024, 72, 48, KDA_BF16, false}};
+        {512, 64, 64, KDA_BF16, false}, {400, 48, 72, KDA_F16, false}, {520, 64, 64, KDA_BF16, true}, {1024, 72, 48, KDA_BF16, false},
+        {300, 30, 40, KDA_F16, false}}; // (K = 30: fwd_fixup's element-wise loads)
     for (const S &sh : shapes) {
 #ifdef KDA_TEST_EMU
         kda_context *ctx = emu_ctx_sms(6, "fix-up");
