@@ -3266,7 +3266,7 @@ static void kda__ws_release(kda_context *ctx, void *ptr, int owned) {
 static const char *const kda__stage_names[] = {
     "prepare", "gate_cumsum", "intra", "solve", "wu", "state", "output", "fwd_fused", "fwd_combine", "fwd_fused_bounded", "fwd_bound",
     "bwd_dav", "bwd_dhu", "bwd_wy", "bwd_intra", "bwd_cumsum", "bwd_gate", "bwd_qkb", 0, 0,
-    "recurrent", "states_out", "selftest_mma", "fwd_fused_pairs", "fwd_fused_bounded_pairs", "pool_widen", "pool_narrow", "fwd_fixup", "fwd_fused_trans", "fwd_fused_trans_pairs"};
+    "recurrent", "states_out", "selftest_mma", "fwd_fused_pairs", "fwd_fused_bounded_pairs", "pool_widen", "pool_narrow", "fwd_fixup", "fwd_fused_trans", "fwd_fused_trans_pairs", "fwd_combine_ht"};
 #define KDA__STAGE_RECURRENT 20
 #define KDA__STAGE_STATES_OUT 21
 #define KDA__STAGE_SELFTEST_MMA 22 /* tests only: the tensor-core fragment layout */
@@ -3277,6 +3277,7 @@ static const char *const kda__stage_names[] = {
 #define KDA__STAGE_FWD_FUSED_BOUNDED 9
 #define KDA__STAGE_FWD_BOUND 10
 #define KDA__STAGE_FWD_FIXUP 27
+#define KDA__STAGE_FWD_COMBINE_HT 30
 
 /* The kernel variant of `stage` for problem p: exact match on the axes the
  * stage has, the smallest key tile >= K, and the smallest value tile >= V (or
@@ -3416,13 +3417,14 @@ static int kda__fused_fixup(const kda_problem *p) {
     const int e = kda__env_int("KDA_FIXUP", 1); /* 0: never; 1: where the model times it faster; 2: always (tests, tuning) */
     return p->K > p->V || e <= 0 ? 0 : e > 1 ? 2 : 1;
 }
-/* The fix-up's kernels for exact tile k (its transition pass, unpaired; and fwd_fixup), or 0 */
+/* The fix-up's kernels for exact tile k (its transition pass, unpaired; fwd_combine_ht and
+ * fwd_fixup), or 0 */
 static int kda__fused_fixup_for(const kda__kdesc *k) {
-    int i;
+    int i, found = 0;
     if (!kda__fused_like("fwd_fused_trans", k)) return 0;
     for (i = 0; i < KDA__NUM_KERNELS; i++)
-        if (!strcmp(kda__kernels[i].stage, "fwd_fixup") && kda__kernels[i].dtype == k->dtype) return 1;
-    return 0;
+        found |= (!strcmp(kda__kernels[i].stage, "fwd_fixup") && kda__kernels[i].dtype == k->dtype) | !strcmp(kda__kernels[i].stage, "fwd_combine_ht") << 1;
+    return found == 3;
 }
 /* Indices of the kernels a forward, backward and decode of p use (the fused forward's
  * with each value tile: kda__fused_variant picks one by the sequence lengths; and their pairs
@@ -3461,10 +3463,10 @@ int kda_kernels_needed(kda_context *ctx, const kda_problem *p, int *idx, int max
             }
         }
         if (stages[i] == KDA__STAGE_FWD_FUSED && kda__fused_fixup(p) && kda__fused_fixup_for(k)) {
-            const kda__kdesc *x = kda__kernel_find(ctx, KDA__STAGE_FWD_FIXUP, p);
-            if (!x) return -1;
-            if (n < max && idx) idx[n] = (int)(x - kda__kernels);
-            n++;
+            const kda__kdesc *x = kda__kernel_find(ctx, KDA__STAGE_FWD_FIXUP, p), *y = kda__kernel_find(ctx, KDA__STAGE_FWD_COMBINE_HT, p);
+            if (!x || !y) return -1;
+            if (n + 1 < max && idx) idx[n] = (int)(x - kda__kernels), idx[n + 1] = (int)(y - kda__kernels);
+            n += 2;
         }
     }
     return n;
@@ -4560,7 +4562,8 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     if (pe.np > N) bt = (size_t)pe.np * m.trans, bs = (size_t)pe.np * m.start;
     if (pe.np > N && pe.fx) {
         bq = m.qt;
-        if (!(kx = kda__kernel_find(ctx, KDA__STAGE_FWD_FIXUP, p))) return KDA_ERROR_UNSUPPORTED;
+        if (!(kx = kda__kernel_find(ctx, KDA__STAGE_FWD_FIXUP, p)) || !(kc = kda__kernel_find(ctx, KDA__STAGE_FWD_COMBINE_HT, p)))
+            return KDA_ERROR_UNSUPPORTED; /* (fwd_combine's twin that walks on to ht) */
     }
     if (pl.tab) tp = sizeof(int) * KDA__FZ_TAB(pl.np, N);
     if (pe.tab && pe.tab != pl.tab) te = sizeof(int) * KDA__FZ_TAB(pe.np, N); /* (right after pl.tab) */

@@ -60,6 +60,7 @@ STAGES = {
                         threads="2*bv+256+128*(bv==64)", smem="1024*(34+bk) if bv == 128 else 1024*(bk*3//2+35)"),
     "fwd_bound":   dict(axes={}, grid="fused", threads=512),
     "fwd_combine": dict(axes={}, grid="fused", threads=512),
+    "fwd_combine_ht": dict(axes={}, grid="fused", threads=512), # ... on to ht, before fwd_fixup
     # the exact split's outputs: the start states' part added to o where the transition pass
     # stored each segment's output from a zero start (kda.h's kda__fused_fwd, p.fz_qt)
     "fwd_fixup":   dict(axes={"dtype": ["f16", "bf16"]}, grid="fused", threads=128, smem=70656),

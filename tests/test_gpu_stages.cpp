@@ -156,7 +156,7 @@ static kda_status emu_launch(kda_context *ctx, const kda__kdesc *k, const unsign
             kda_emu_launch(e.fn, g, (unsigned)k->threads, prm, (size_t)k->smem, pairs ? 2u : 1u, kda__fused_pair_axis(grid));
             emu_launches++;
             if (pairs) emu_pairs++;
-            if (!strcmp(k->stage, "fwd_combine")) emu_check_combine(a);
+            if (!strncmp(k->stage, "fwd_combine", 11)) emu_check_combine(a); // (and fwd_combine_ht, which walks on to ht)
             if (!strcmp(k->stage, "fwd_bound"))
                 emu_warm_flags.assign(a->fz_flags, a->fz_flags + a->fz_npieces * a->HV), emu_warm_sums_of(a),
                     emu_any = a->fz_any ? *a->fz_any : -1, emu_redo_bound = a->fz_redo ? *a->fz_redo == (int)a->fz_call : -1;
