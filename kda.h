@@ -4623,16 +4623,17 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
         if (s) goto done;
         grid[0] = (unsigned)N; grid[1] = (unsigned)p->HV; grid[2] = (unsigned)((p->V + KDA__COMBINE_COLS - 1) / KDA__COMBINE_COLS);
         if ((s = kda__chain_launch(ctx, &chained, kc, grid, &a))) goto done;
-        if (bq) { /* the start states' part added to o, in place of the output pass */
-            const long long ncb = (p->V + 63) / 64, per = pe.np * p->HV * ncb, want = (8LL * kda__sms(ctx) + per - 1) / per;
-            grid[0] = (unsigned)(pe.np * (want > 1 ? want : 1) * ncb); grid[1] = (unsigned)p->HV; grid[2] = 1u;
-            if (!(s = kda__chain_launch(ctx, &chained, kx, grid, &a))) s = kda__pool_convert(ctx, c, ws, KDA__STAGE_POOL_NARROW);
-            goto done;
-        }
     }
-    a.fz_mode = 0; /* the output pass */
-    KDA__FZ_GRID(pe, nve);
-    if (!(s = kda__chain_launch(ctx, &chained, pairs ? pairs : ke, grid, &a))) s = kda__pool_convert(ctx, c, ws, KDA__STAGE_POOL_NARROW);
+    if (bq) { /* the start states' part added to o, in place of the output pass */
+        const long long nxb = (p->V + 63) / 64, per = pe.np * p->HV * nxb, want = (8LL * kda__sms(ctx) + per - 1) / per;
+        grid[0] = (unsigned)(pe.np * (want > 1 ? want : 1) * nxb); grid[1] = (unsigned)p->HV; grid[2] = 1u;
+        s = kda__chain_launch(ctx, &chained, kx, grid, &a);
+    } else {
+        a.fz_mode = 0; /* the output pass */
+        KDA__FZ_GRID(pe, nve);
+        s = kda__chain_launch(ctx, &chained, pairs ? pairs : ke, grid, &a);
+    }
+    if (!s) s = kda__pool_convert(ctx, c, ws, KDA__STAGE_POOL_NARROW);
 #undef KDA__FZ_GRID
 #undef KDA__FZ_BUF
 done:
@@ -4648,7 +4649,7 @@ static kda_status kda__fused_need(kda_context *ctx, const kda_problem *p, const 
     const kda__fz_mem m = kda__fz_mem_of(p, N, warm, front);
     const int fx = kda__fused_fixup(p); /* (the plan without a caller's workspace) */
     long long P = 0; /* the pieces of a split (0: none) */
-    int ex = 0;      /* the exact split's plan splits with the fix-up (its qt) */
+    int ex = 0;      /* the fix-up's qt: the exact split's plan splits with it (any lengths: where it may) */
     kda_status st = KDA_OK;
     if (p->num_seqs > 0 && !cu) {
         /* kda__fused_plan's cuts make at most 4 blocks a multiprocessor, of HV or more blocks a
@@ -4657,7 +4658,7 @@ static kda_status kda__fused_need(kda_context *ctx, const kda_problem *p, const 
          * up to N sequences, which the fixed part (grown with N and T) holds too */
         const long long sms = kda__sms(ctx);
         P = 4 * sms / p->HV + sms / p->HV;
-        ex = 1;
+        ex = fx;
     } else {
         kda__seqs s;
         kda__fz_plan pl, pe;
@@ -4671,7 +4672,7 @@ static kda_status kda__fused_need(kda_context *ctx, const kda_problem *p, const 
         kda__seqs_free(ctx, &s);
         if (st) return st;
     }
-    *bytes = m.fixed + (size_t)P * m.piece + (ex && fx ? m.qt : 0);
+    *bytes = m.fixed + (size_t)P * m.piece + (ex ? m.qt : 0);
     return KDA_OK;
 }
 

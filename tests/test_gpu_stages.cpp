@@ -1669,14 +1669,6 @@ static void run_fused_replans_for_new_lengths() {
 // where it applies (KDA_FIXUP=2) whatever the model says. A caller's workspace a byte short
 // of the fix-up's least (its qt and two pieces) runs the output pass; K > V runs it too (the
 // identity blocks' outputs go where o's would).
-static double rel_err(const Out &a, kda_dtype t, size_t n) { // device (h) against CPU (c), normwise
-    double d = 0, r = 0;
-    for (size_t i = 0; i < n; i++) {
-        const double x = kda__ld(a.h.data(), t, i), y = kda__ld(a.c.data(), t, i);
-        d += (x - y) * (x - y), r += y * y;
-    }
-    return r > 0 ? sqrt(d / r) : (d > 0 ? 1.0 : 0.0);
-}
 static void run_fused_fixup_matches_the_output_pass() {
     t_current = "fused";
     struct S { int T, K, V; kda_dtype dt; bool varlen; } shapes[] = {
@@ -1749,8 +1741,10 @@ static void run_fused_fixup_matches_the_output_pass() {
 #else
         (void)nseg, (void)fixups;
 #endif
-        const double eo[3] = {rel_err(o[0], I.p.dtype, I.nv), rel_err(o[1], I.p.dtype, I.nv), rel_err(o[2], I.p.dtype, I.nv)};
-        const double eh[3] = {rel_err(ht[0], KDA_F32, I.ns), rel_err(ht[1], KDA_F32, I.ns), rel_err(ht[2], KDA_F32, I.ns)};
+        double eo[3], eh[3]; // (device against CPU)
+        for (int run = 0; run < 3; run++)
+            eo[run] = err_t(o[run].c.data(), o[run].h.data(), I.nv, I.p.dtype),
+            eh[run] = err_f((const float *)ht[run].c.data(), (const float *)ht[run].h.data(), I.ns);
         for (int run = 1; run < 3; run++)
             CHECK(eo[run] <= 1.25 * eo[0] && eh[run] <= 1.25 * eh[0] + 1e-6,
                   "%s: against the CPU, run %d's o %.3g and ht %.3g, the output pass's %.3g and %.3g", name, run, eo[run], eh[run], eo[0], eh[0]);
