@@ -533,6 +533,7 @@ struct kda_context {
     void *fz_memo; /* the fused forward's last plan (kda__fused_memo), NULL: none */
     unsigned fz_calls; /* the bounded split's calls so far: the tag of the next (kda_fz_idle) */
     int ptxas_info; /* NVRTC compiles pass ptxas -v and log its lines (kda-aot --ptxas-check); not in the cache key */
+    int kstage[32][2]; /* each stage's kernels in the kernel table, [first, last + 1), once looked up (kda__stage_range) */
     char err[KDA__ERRLEN];
 };
 
@@ -3276,8 +3277,24 @@ static const char *const kda__stage_names[] = {
 #define KDA__STAGE_FWD_COMBINE 8
 #define KDA__STAGE_FWD_FUSED_BOUNDED 9
 #define KDA__STAGE_FWD_BOUND 10
+#define KDA__STAGE_FWD_FUSED_PAIRS 23
+#define KDA__STAGE_FWD_FUSED_BOUNDED_PAIRS 24
 #define KDA__STAGE_FWD_FIXUP 27
+#define KDA__STAGE_FWD_FUSED_TRANS 28
+#define KDA__STAGE_FWD_FUSED_TRANS_PAIRS 29
 #define KDA__STAGE_FWD_COMBINE_HT 30
+typedef char kda__stages_fit[sizeof kda__stage_names / sizeof *kda__stage_names <= 32 ? 1 : -1]; /* (kda_context's kstage) */
+
+/* The kernel table's entries of `stage`, [*lo, *hi): a scan of the table the first time a
+ * context asks (a call of the fused forward looks up several kernels, each a scan of the
+ * whole table with a string compare an entry: about 1 us each). The generator writes a
+ * stage's kernels together; the callers still check each entry's stage. */
+static void kda__stage_range(kda_context *ctx, int stage, int *lo, int *hi) {
+    int *r = ctx->kstage[stage], i;
+    for (i = r[1] ? KDA__NUM_KERNELS : 0; i < KDA__NUM_KERNELS; i++)
+        if (!strcmp(kda__kernels[i].stage, kda__stage_names[stage])) r[0] = r[1] ? r[0] : i, r[1] = i + 1;
+    *lo = r[0], *hi = r[1];
+}
 
 /* The kernel variant of `stage` for problem p: exact match on the axes the
  * stage has, the smallest key tile >= K, and the smallest value tile >= V (or
@@ -3285,8 +3302,9 @@ static const char *const kda__stage_names[] = {
 static const kda__kdesc *kda__kernel_find(kda_context *ctx, int stage, const kda_problem *p) {
     const kda__kdesc *best = NULL;
     const char *name = kda__stage_names[stage];
-    int i, gate = (int)p->gate, varlen = p->num_seqs > 0, any = 0;
-    for (i = 0; i < KDA__NUM_KERNELS; i++) {
+    int i, hi, gate = (int)p->gate, varlen = p->num_seqs > 0, any = 0;
+    kda__stage_range(ctx, stage, &i, &hi);
+    for (; i < hi; i++) {
         const kda__kdesc *k = &kda__kernels[i];
         if (strcmp(k->stage, name) != 0) continue;
         any = 1;
@@ -3383,11 +3401,12 @@ static int kda__fused_sibling(const kda__kdesc *a, const kda__kdesc *b) {
 }
 
 /* The kernel of stage `stage` with fused kernel k's dtype, tiles and varlen mode, or NULL */
-static const kda__kdesc *kda__fused_like(const char *stage, const kda__kdesc *k) {
-    int i;
-    for (i = 0; i < KDA__NUM_KERNELS; i++) {
+static const kda__kdesc *kda__fused_like(kda_context *ctx, int stage, const kda__kdesc *k) {
+    int i, hi;
+    kda__stage_range(ctx, stage, &i, &hi);
+    for (; i < hi; i++) {
         const kda__kdesc *o = &kda__kernels[i];
-        if (!strcmp(o->stage, stage) && o->dtype == k->dtype && o->bk == k->bk && o->bv == k->bv && o->varlen == k->varlen)
+        if (!strcmp(o->stage, kda__stage_names[stage]) && o->dtype == k->dtype && o->bk == k->bk && o->bv == k->bv && o->varlen == k->varlen)
             return o;
     }
     return NULL;
@@ -3402,8 +3421,8 @@ static int kda__fused_even(const kda__kdesc *k, const kda_problem *p, int trans)
     return (kda__fused_vblocks(k, p) + (trans ? kda__fused_kblocks(k, p) : 0)) % 2 == 0;
 }
 /* The pairs twin of fwd_fused or fwd_fused_bounded kernel k (128 columns only), or NULL */
-static const kda__kdesc *kda__fused_pairs_of(const kda__kdesc *k) {
-    return kda__fused_like(strcmp(k->stage, "fwd_fused") ? "fwd_fused_bounded_pairs" : "fwd_fused_pairs", k);
+static const kda__kdesc *kda__fused_pairs_of(kda_context *ctx, const kda__kdesc *k) {
+    return kda__fused_like(ctx, strcmp(k->stage, "fwd_fused") ? KDA__STAGE_FWD_FUSED_BOUNDED_PAIRS : KDA__STAGE_FWD_FUSED_PAIRS, k);
 }
 
 /* Whether the exact split may add the start states' part to o in one pass over memory
@@ -3419,11 +3438,13 @@ static int kda__fused_fixup(const kda_problem *p) {
 }
 /* The fix-up's kernels for exact tile k (its transition pass, unpaired; fwd_combine_ht and
  * fwd_fixup), or 0 */
-static int kda__fused_fixup_for(const kda__kdesc *k) {
-    int i, found = 0;
-    if (!kda__fused_like("fwd_fused_trans", k)) return 0;
-    for (i = 0; i < KDA__NUM_KERNELS; i++)
-        found |= (!strcmp(kda__kernels[i].stage, "fwd_fixup") && kda__kernels[i].dtype == k->dtype) | !strcmp(kda__kernels[i].stage, "fwd_combine_ht") << 1;
+static int kda__fused_fixup_for(kda_context *ctx, const kda__kdesc *k) {
+    int i, hi, found = 0;
+    if (!kda__fused_like(ctx, KDA__STAGE_FWD_FUSED_TRANS, k)) return 0;
+    for (kda__stage_range(ctx, KDA__STAGE_FWD_FIXUP, &i, &hi); i < hi; i++)
+        found |= !strcmp(kda__kernels[i].stage, "fwd_fixup") && kda__kernels[i].dtype == k->dtype;
+    for (kda__stage_range(ctx, KDA__STAGE_FWD_COMBINE_HT, &i, &hi); i < hi; i++)
+        found |= !strcmp(kda__kernels[i].stage, "fwd_combine_ht") << 1;
     return found == 3;
 }
 /* Indices of the kernels a forward, backward and decode of p use (the fused forward's
@@ -3453,16 +3474,17 @@ int kda_kernels_needed(kda_context *ctx, const kda_problem *p, int *idx, int max
             const kda__kdesc *o = &kda__kernels[j], *tw, *add[4] = {NULL, NULL, NULL, NULL};
             int a;
             if (!kda__fused_sibling(o, k)) continue;
-            tw = kda__fused_even(o, p, 0) || (stages[i] == KDA__STAGE_FWD_FUSED && kda__fused_even(o, p, 1)) ? kda__fused_pairs_of(o) : NULL;
+            tw = kda__fused_even(o, p, 0) || (stages[i] == KDA__STAGE_FWD_FUSED && kda__fused_even(o, p, 1)) ? kda__fused_pairs_of(ctx, o) : NULL;
             add[0] = o != k ? o : NULL, add[1] = tw;
             if (stages[i] == KDA__STAGE_FWD_FUSED && kda__fused_fixup(p))
-                add[2] = kda__fused_like("fwd_fused_trans", o), add[3] = kda__fused_even(o, p, 1) ? kda__fused_like("fwd_fused_trans_pairs", o) : NULL;
+                add[2] = kda__fused_like(ctx, KDA__STAGE_FWD_FUSED_TRANS, o),
+                add[3] = kda__fused_even(o, p, 1) ? kda__fused_like(ctx, KDA__STAGE_FWD_FUSED_TRANS_PAIRS, o) : NULL;
             for (a = 0; a < 4; a++) {
                 if (add[a] && n < max && idx) idx[n] = (int)(add[a] - kda__kernels);
                 n += add[a] != NULL;
             }
         }
-        if (stages[i] == KDA__STAGE_FWD_FUSED && kda__fused_fixup(p) && kda__fused_fixup_for(k)) {
+        if (stages[i] == KDA__STAGE_FWD_FUSED && kda__fused_fixup(p) && kda__fused_fixup_for(ctx, k)) {
             const kda__kdesc *x = kda__kernel_find(ctx, KDA__STAGE_FWD_FIXUP, p), *y = kda__kernel_find(ctx, KDA__STAGE_FWD_COMBINE_HT, p);
             if (!x || !y) return -1;
             if (n + 1 < max && idx) idx[n] = (int)(x - kda__kernels), idx[n + 1] = (int)(y - kda__kernels);
@@ -3909,7 +3931,7 @@ static long long kda__fz_run(const long long *len, long long np, const int *f, c
  * (B8 T4096 H16 V256 0.680 ms against 0.809, B2 T8192 H16 V256 0.368 against 0.416; 2026-11-26). */
 #define KDA__PAIR_COST 0.87
 static const kda__kdesc *kda__fused_pairs(kda_context *ctx, const kda__kdesc *k, const kda_problem *p, int trans) {
-    const kda__kdesc *kp = kda__fused_pairs_of(k);
+    const kda__kdesc *kp = kda__fused_pairs_of(ctx, k);
     const int optin = ctx->dev && ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
     if (!kp || !ctx->dev || !ctx->dev->pairs || !ctx->dev->pairs(ctx) || !kda__fused_even(k, p, trans)) return NULL;
     return (optin <= 0 || kp->smem <= optin) && kda__env_int("KDA_FUSED_PAIRS", 1) > 0 ? kp : NULL;
@@ -4338,7 +4360,7 @@ static kda_status kda__fused_exact(kda_context *ctx, const kda_problem *p, const
     kda__fz_plan o;
     const kda__kdesc *ko;
     kda_status st = kda__fused_best(ctx, p, kf, len, nseq, cap, -1, 0, pe, ke);
-    if (st || !fx || !kda__fused_fixup_for(kf)) return st;
+    if (st || !fx || !kda__fused_fixup_for(ctx, kf)) return st;
     if ((st = kda__fused_best(ctx, p, kf, len, nseq, cap, -1, 1, &o, &ko))) {
         kda__free(ctx, pe->tab);
         pe->tab = NULL;
@@ -4346,7 +4368,7 @@ static kda_status kda__fused_exact(kda_context *ctx, const kda_problem *p, const
     }
     kda__log(ctx, "exact split: %s in %lld piece(s) %.0f chunk-times, the fix-up %s in %lld %.0f", (*ke)->name, pe->np, pe->time,
              ko->name, o.np, o.time);
-    if ((o.time * KDA__FIX_MARGIN < pe->time || fx > 1) && o.np > nseq && kda__fused_fixup_for(ko)) kda__free(ctx, pe->tab), *pe = o, *ke = ko;
+    if ((o.time * KDA__FIX_MARGIN < pe->time || fx > 1) && o.np > nseq && kda__fused_fixup_for(ctx, ko)) kda__free(ctx, pe->tab), *pe = o, *ke = ko;
     else kda__free(ctx, o.tab);
     return KDA_OK;
 }
@@ -4464,10 +4486,10 @@ static long long kda__fused_warmup(const kda_problem *p) {
     return w ? (atoll(w) > 0 ? atoll(w) : 0) : 16;
 }
 /* The bounded split's kernel for fwd_fused kernel k (same dtype and tiles), or NULL */
-static const kda__kdesc *kda__fused_bounded(const kda__kdesc *k) { return kda__fused_like("fwd_fused_bounded", k); }
+static const kda__kdesc *kda__fused_bounded(kda_context *ctx, const kda__kdesc *k) { return kda__fused_like(ctx, KDA__STAGE_FWD_FUSED_BOUNDED, k); }
 /* kf's warm-up: the bounded split's where it applies and was rendered, else -1 */
-static long long kda__fused_warm(const kda__kdesc *kf, const kda_problem *p) {
-    return kda__fused_bounded(kf) ? kda__fused_warmup(p) : -1;
+static long long kda__fused_warm(kda_context *ctx, const kda__kdesc *kf, const kda_problem *p) {
+    return kda__fused_bounded(ctx, kf) ? kda__fused_warmup(p) : -1;
 }
 
 /* Launches kernel k of a chain: after the chain's first, with programmatic stream
@@ -4524,7 +4546,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
                                  const kda__kdesc *kf) {
     const kda__kdesc *kc = kda__kernel_find(ctx, KDA__STAGE_FWD_COMBINE, p);
     const kda__kdesc *kb = kc ? kda__kernel_find(ctx, KDA__STAGE_FWD_BOUND, p) : NULL; /* the warm-ups' check */
-    long long N = c->s.N, nvb, nve, ncb, warm = kda__fused_warm(kf, p);
+    long long N = c->s.N, nvb, nve, ncb, warm = kda__fused_warm(ctx, kf, p);
     const kda__fz_mem m = kda__fz_mem_of(p, N, warm, c->ws_front);
     /* the fix-up, where a caller's workspace holds its qt and two pieces besides */
     const int fx = !ctx->workspace || ctx->workspace_size >= m.fixed + m.qt + 2 * m.piece ? kda__fused_fixup(p) : 0;
@@ -4553,7 +4575,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
     if (s) return s;
     nvb = kda__fused_vblocks(kf, p);
     pairs = kda__fused_pairs(ctx, kf, p, 0);
-    pairs_b = pairs && warm >= 0 ? kda__fused_pairs(ctx, kda__fused_bounded(kf), p, 0) : NULL;
+    pairs_b = pairs && warm >= 0 ? kda__fused_pairs(ctx, kda__fused_bounded(ctx, kf), p, 0) : NULL;
     if (!pairs_b && warm >= 0) pairs = NULL; /* (both passes in pairs, or neither) */
     if (pl.np <= N) pe = pl, ke = kf; /* no split: whole sequences in the output pass */
     else if (ke != kf) pairs = kda__fused_pairs(ctx, ke, p, 0); /* the exact passes in a tile of their own */
@@ -4602,7 +4624,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
         if ((s = kda__chain_launch(ctx, &chained, kb, grid, &a))) goto done;
         a.fz_mode = 2;
         KDA__FZ_GRID(pl, nvb);
-        if ((s = kda__chain_launch(ctx, &chained, pairs_b ? pairs_b : kda__fused_bounded(kf), grid, &a))) goto done;
+        if ((s = kda__chain_launch(ctx, &chained, pairs_b ? pairs_b : kda__fused_bounded(ctx, kf), grid, &a))) goto done;
         a.fz_piece = pe.tab ? etab : NULL; /* the exact passes' own cut */
         a.fz_npieces = pe.np, a.fz_nseg = pe.nseg, a.fz_each = pe.each, a.fz_warm = 0, a.fz_lead = pe.lead;
     }
@@ -4615,7 +4637,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
         KDA__FZ_GRID(pe, ncb);
         pairs_t = kda__fused_pairs(ctx, ke, p, 1);
         if (bq) { /* the fix-up's transition pass: its own kernels (fwd_fused.cu.j2's TRANS) */
-            const kda__kdesc *kt = kda__fused_like(pairs_t ? "fwd_fused_trans_pairs" : "fwd_fused_trans", ke);
+            const kda__kdesc *kt = kda__fused_like(ctx, pairs_t ? KDA__STAGE_FWD_FUSED_TRANS_PAIRS : KDA__STAGE_FWD_FUSED_TRANS, ke);
             s = kt ? kda__chain_launch(ctx, &chained, kt, grid, &a) : kda__fail(ctx, KDA_ERROR_INTERNAL, "no fix-up transition kernel for %s", ke->name);
         } else {
             s = kda__chain_launch(ctx, &chained, pairs_t ? pairs_t : ke, grid, &a);
@@ -4645,7 +4667,7 @@ done:
  * (kda_chunk_fwd_workspace); cu: varlen's host copy of cu_seqlens, NULL for a bound over any */
 static kda_status kda__fused_need(kda_context *ctx, const kda_problem *p, const kda__kdesc *kf, const void *cu, size_t front,
                                   size_t *bytes) {
-    const long long N = kda_num_seqs(p), warm = kda__fused_warm(kf, p);
+    const long long N = kda_num_seqs(p), warm = kda__fused_warm(ctx, kf, p);
     const kda__fz_mem m = kda__fz_mem_of(p, N, warm, front);
     const int fx = kda__fused_fixup(p); /* (the plan without a caller's workspace) */
     long long P = 0; /* the pieces of a split (0: none) */

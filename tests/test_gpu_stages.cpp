@@ -1518,7 +1518,7 @@ static void run_fused_workspace_query_is_the_plans_need() {
         size_t q = 0;
         CHECK(kf && kda_chunk_fwd_workspace(ctx, &p, &out, sh.nseq ? cu.data() : NULL, &q) == KDA_OK, "%s: %s", name, kda_last_error(ctx));
         if (!kf) continue;
-        const long long warm = kda__fused_warm(kf, &p);
+        const long long warm = kda__fused_warm(ctx, kf, &p);
         const kda__fz_mem m = kda__fz_mem_of(&p, N, warm, 0);
         kda__fz_plan pl[3], pe[3];
         const kda__kdesc *k[3], *ke[3];
@@ -1713,7 +1713,7 @@ static void run_fused_fixup_matches_the_output_pass() {
         const bool fx = sh.K <= sh.V;
         CHECK(fx ? qf > qo : qf == qo, "%s: the fix-up's workspace %zu, the output pass's %zu", name, qf, qo);
         const kda__kdesc *kf = kda__fused_wanted(ctx, &I.p, &out);
-        const kda__fz_mem m = kda__fz_mem_of(&I.p, kda_num_seqs(&I.p), kf ? kda__fused_warm(kf, &I.p) : -1, 0);
+        const kda__fz_mem m = kda__fz_mem_of(&I.p, kda_num_seqs(&I.p), kf ? kda__fused_warm(ctx, kf, &I.p) : -1, 0);
         const size_t short_ws = m.fixed + m.qt + 2 * m.piece - 1;
         void *ws = dalloc(short_ws);
         for (int run = 0; run < 3; run++) { // KDA_FIXUP=0; the default; the default in a workspace short of the fix-up's
