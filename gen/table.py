@@ -25,7 +25,7 @@ Launch geometry (`grid`) is named, and kda.h computes it from the problem:
                and their _pairs kernels the same in clusters of 2 along the column blocks
                (z; varlen: x, as pieces * HV * column blocks);
                fwd_combine (N, HV, ceil(V / 32)); fwd_bound (pieces, HV, 1); fwd_fixup
-               (pieces * shares * ceil(V / 64), HV, 1)
+               (ceil(V / 64) * HV * shares * pieces, 1, 1)
 
 `threads` and `smem` (bytes of dynamic shared memory, default 0) are numbers or
 expressions in the variant's axes.
