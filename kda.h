@@ -3978,7 +3978,7 @@ static double kda__fz_inorder(const kda__blocks *b, long long np, long long HV, 
  * fix-up (fx, the exact split) the transition pass runs every piece and fwd_fixup takes the
  * output pass's place: a pass over the memory of the pieces after the first, timed at
  * KDA__FIX_BYTES a chunk-time. */
-#define KDA__FIX_BYTES 4.8e6 /* bytes fwd_fixup moves in a chunk-time: 3.5 TB/s x 1.38 us (3.3-4.0 measured; H200, 2026-11-30) */
+#define KDA__FIX_BYTES 4.0e6 /* bytes fwd_fixup moves in a chunk-time: 2.9 TB/s x 1.38 us (2.5-3.2 measured; H200, 2026-11-30) */
 static double kda__fz_time(const kda_problem *p, const kda__kdesc *kf, const long long *len, long long np, const int *f,
                            const int *q, long long warm, int fx, double tcost, int pairs, int inorder, int sms, kda__blocks *b1,
                            kda__blocks *b0, double *h) {
@@ -4647,14 +4647,16 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
         if ((s = kda__chain_launch(ctx, &chained, kc, grid, &a))) goto done;
     }
     if (bq) { /* the start states' part added to o, in place of the output pass: each later piece's
-               * (column block, head) in `shares` blocks, as many as 4 waves hold (3 blocks a
-               * multiprocessor on Hopper). Fewer, longer blocks ran slower (B1 T16384 H32: 2.6
-               * waves 97 us, 3.9 waves 69 us; H200, 2026-11-30), except at B1 T65536 H16 (190
-               * against 219 us), which this gives up (bench/RESULTS.md). */
+               * (column block, head) in `shares` blocks, as many as one wave holds (3 blocks a
+               * multiprocessor on Hopper). A block's start costs about 5 tiles (S_start, the
+               * first copies), so a second round of blocks with half the tiles each is slower
+               * (B1 T8192 H32: 0.97 waves 40 us, 1.94 waves 47; B1 T65536 H16: 190 and 194;
+               * H200, 2026-11-30, bench/RESULTS.md). */
         const int optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0, per_sm = optin > 0 ? (optin + 1024) / (kx->smem + 1024) : 3;
-        const long long nxb = (p->V + 63) / 64, work = (pe.np - N) * p->HV * nxb, fit = 4LL * (per_sm > 1 ? per_sm : 1) * kda__sms(ctx);
+        const long long nxb = (p->V + 63) / 64, work = (pe.np - N) * p->HV * nxb, fit = (long long)(per_sm > 1 ? per_sm : 1) * kda__sms(ctx);
         const long long shares = work < fit ? (fit / work < 64 ? fit / work : 64) : 1;
         grid[0] = (unsigned)(nxb * p->HV * pe.np * shares); grid[1] = grid[2] = 1u;
+        kda__log(ctx, "%s: %lld block(s) a later piece's column block and head, %u in all", kx->name, shares, grid[0]);
         s = kda__chain_launch(ctx, &chained, kx, grid, &a);
     } else {
         a.fz_mode = 0; /* the output pass */
