@@ -1674,8 +1674,8 @@ static void run_fused_fixup_matches_the_output_pass(bool race) {
     struct S { int T, K, V; kda_dtype dt; bool varlen; } shapes[] = {
         {512, 64, 64, KDA_BF16, false}, {400, 48, 72, KDA_F16, false}, {520, 64, 64, KDA_BF16, true}, {1024, 72, 48, KDA_BF16, false},
         {300, 30, 40, KDA_F16, false}}; // (K = 30: fwd_fixup's element-wise loads)
-    for (const S &sh : shapes) {
-        if (race && &sh != shapes) break; // (--race: fwd_fixup's pipeline of copies and barriers, once)
+    for (size_t i = 0; i < (race ? 1 : std::size(shapes)); i++) { // (--race: fwd_fixup's copies and barriers, once)
+        const S &sh = shapes[i];
 #ifdef KDA_TEST_EMU
         kda_context *ctx = emu_ctx_sms(6, "fix-up");
         if (!ctx) return;
