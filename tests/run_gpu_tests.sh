@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # The GPU tests (make test-gpu). Without a GPU: says so and exits 0. Ends with
 # "N passed, N failed" and writes BUILD/GPU_RESULTS.md (device, date, commands, counts).
+# KDA_GPU_STEPS="racecheck memcheck ..." runs only those steps (of: kernels generic props
+# stress cases memcheck racecheck; default all): the whole takes about 10 minutes on an
+# H200, so a session with shorter calls can run it in two parts.
 set -u
 build=${1:-build}
+steps=" ${KDA_GPU_STEPS:-kernels generic props stress cases memcheck racecheck} "
+want() { [[ "$steps" == *" $1 "* ]]; }
+for s in $steps; do
+    case $s in kernels | generic | props | stress | cases | memcheck | racecheck) ;; *) echo "KDA_GPU_STEPS: no step '$s'"; exit 2 ;; esac
+done
 cases=${KDA_CASES:-../shared/cases}
 log="$build/gpu_tests.log"
 : > "$log"
@@ -28,31 +36,35 @@ run() { # name, command...: a program that ends with "N passed, N failed"
     echo "$name: $line"
     summary+=("| $name | \`$*\` | $line |")
 }
-run "every kernel vs its CPU twin, whole ops" "$build/test_gpu"
+want kernels && run "every kernel vs its CPU twin, whole ops" "$build/test_gpu"
 # the fused forward's generic kernels (the gate read at run time: kda_compile_kernel's, and
 # ahead-of-time cubins made without SPECS); the run above takes kda.h's specialisations
-run "the fused forward, generic kernels (KDA_SPECIALIZE=0)" env KDA_SPECIALIZE=0 "$build/test_gpu" --quick fused
-run "properties and finite-difference gradients on the GPU" "$build/test_props_gpu"
-run "numerical stress" "$build/test_gpu_stress"
+want generic && run "the fused forward, generic kernels (KDA_SPECIALIZE=0)" env KDA_SPECIALIZE=0 "$build/test_gpu" --quick fused
+want props && run "properties and finite-difference gradients on the GPU" "$build/test_props_gpu"
+want stress && run "numerical stress" "$build/test_gpu_stress"
 # every reference case, every dtype and chunk size, on the GPU
-n=0; nf=0
-for dir in "$cases"/*/; do
-    for dt in f32 f16 bf16; do
-        for ch in 16 32 64; do
-            out=$("$build/kda-case" "$dir" --device gpu --dtype $dt --chunk $ch 2>&1)
-            echo "== kda-case $dir $dt $ch" >> "$log"; echo "$out" >> "$log"
-            n=$((n + 1))
-            if [ "$(echo "$out" | tail -n 1)" != PASS ]; then nf=$((nf + 1)); echo "FAIL: kda-case $dir --dtype $dt --chunk $ch"; echo "$out" | grep -v ' ok$'; fi
+if want cases; then
+    n=0; nf=0
+    for dir in "$cases"/*/; do
+        for dt in f32 f16 bf16; do
+            for ch in 16 32 64; do
+                out=$("$build/kda-case" "$dir" --device gpu --dtype $dt --chunk $ch 2>&1)
+                echo "== kda-case $dir $dt $ch" >> "$log"; echo "$out" >> "$log"
+                n=$((n + 1))
+                if [ "$(echo "$out" | tail -n 1)" != PASS ]; then nf=$((nf + 1)); echo "FAIL: kda-case $dir --dtype $dt --chunk $ch"; echo "$out" | grep -v ' ok$'; fi
+            done
         done
     done
-done
-pass=$((pass + n - nf)); fail=$((fail + nf))
-echo "kda-case --device gpu: $((n - nf)) passed, $nf failed"
-summary+=("| reference cases | \`kda-case CASE --device gpu --dtype {f32,f16,bf16} --chunk {16,32,64}\` | $((n - nf)) passed, $nf failed ($n runs) |")
+    pass=$((pass + n - nf)); fail=$((fail + nf))
+    echo "kda-case --device gpu: $((n - nf)) passed, $nf failed"
+    summary+=("| reference cases | \`kda-case CASE --device gpu --dtype {f32,f16,bf16} --chunk {16,32,64}\` | $((n - nf)) passed, $nf failed ($n runs) |")
+fi
 # compute-sanitizer: memory errors on forward, backward and decode; shared-memory races
 san=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
-if [ -n "$san" ]; then
-    run "compute-sanitizer memcheck" "$san" --tool memcheck --error-exitcode 9 "$build/test_gpu" --quick
+if ! want memcheck && ! want racecheck; then
+    :
+elif [ -n "$san" ]; then
+    want memcheck && run "compute-sanitizer memcheck" "$san" --tool memcheck --error-exitcode 9 "$build/test_gpu" --quick
     # racecheck leaves out fwd_fused: its factor warps hand buffers to the state warps
     # with bar.arrive -> bar.sync (a producer/consumer pattern the PTX ISA documents),
     # which racecheck does not model; it reports every such write/read pair as a
@@ -61,7 +73,7 @@ if [ -n "$san" ]; then
     # (Hopper clusters) stay off here: racecheck fails on a kernel that copies into another
     # block's shared memory and is left out of its checks (tests/cluster_racecheck_probe.cu
     # shows it in 30 lines), and instrumenting them trips on the named barriers as above.
-    run "compute-sanitizer racecheck (all kernels but fwd_fused)" env KDA_FUSED_PAIRS=0 "$san" --tool racecheck --racecheck-report all \
+    want racecheck && run "compute-sanitizer racecheck (all kernels but fwd_fused)" env KDA_FUSED_PAIRS=0 "$san" --tool racecheck --racecheck-report all \
         --kernel-name-exclude kns=fwd_fused --error-exitcode 9 "$build/test_gpu" --quick
 else
     fail=$((fail + 1)); echo "FAIL: compute-sanitizer not found"
@@ -71,7 +83,7 @@ dev=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/nu
     echo "# GPU test results"
     echo
     echo "Device: ${dev:-unknown}. Date: $(date -u +%Y-%m-%d). Commit: ${KDA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}."
-    echo "Command: \`make test-gpu\` (tests/run_gpu_tests.sh)."
+    echo "Command: \`${KDA_GPU_STEPS:+KDA_GPU_STEPS=\"$KDA_GPU_STEPS\" }make test-gpu\` (tests/run_gpu_tests.sh)."
     echo
     echo "| what | command | result |"
     echo "|---|---|---|"

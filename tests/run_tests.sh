@@ -8,6 +8,17 @@ cases=${KDA_CASES:-../shared/cases}
 pass=0; fail=0
 ok()  { pass=$((pass + 1)); }
 bad() { fail=$((fail + 1)); echo "FAIL: $*"; }
+# a test script that ends with "N passed, N failed": its counts added, its FAIL lines shown
+script() {
+    local out line p f
+    out=$("$@" 2>&1)
+    echo "$out" | grep -E '^FAIL' || true
+    line=$(echo "$out" | tail -n 1)
+    echo "$(basename "$1" .sh): $line"
+    p=$(echo "$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\1/p')
+    f=$(echo "$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\2/p')
+    if [ -z "$p" ]; then bad "$1 did not finish"; echo "$out" | tail -n 20; else pass=$((pass + p)); fail=$((fail + f)); fi
+}
 
 # 1. The header alone: C++ and clang builds, single-threaded build, no warnings.
 if [ -z "${KDA_QUICK:-}" ]; then
@@ -40,14 +51,12 @@ done
 
 # 3. The kernel loading path (cache, AOT, embedded cubins, generator) without a GPU.
 if [ -z "${KDA_QUICK:-}" ]; then
-    out=$(tests/test_jit.sh "$build" 2>&1)
-    echo "$out" | grep -E '^FAIL' || true
-    line=$(echo "$out" | tail -n 1)
-    echo "test_jit: $line"
-    p=$(echo "$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\1/p')
-    f=$(echo "$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\2/p')
-    if [ -z "$p" ]; then bad "test_jit.sh did not finish"; echo "$out" | tail -n 20; else pass=$((pass + p)); fail=$((fail + f)); fi
+    script tests/test_jit.sh "$build"
 fi
+
+# 3b. make test-gpu's runner (tests/run_gpu_tests.sh), with stand-in programs: its counts,
+#     exit status, step selection and no-GPU exit.
+script tests/test_gpu_runner.sh
 
 # 4. bench/compare_fla.py's ctypes mirrors of kda.h's structs and its inputs (the softplus
 #    gate's A_log and dt_bias among them), through the CPU backend against numpy: what the
