@@ -3749,6 +3749,8 @@ static kda_status kda__run_stages(kda_context *ctx, kda__cpu *c, int first, int 
 }
 
 /* ---- the fused forward (templates/fwd_fused.cu.j2): one kernel for o and ht */
+/* The most dynamic shared memory a block may have on ctx's device (0: unknown) */
+static int kda__optin(kda_context *ctx) { return ctx->dev && ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0; }
 
 /* The fused forward's kernel where it covers the problem and fits the device, else
  * NULL (the staged kernels run). Its shared memory (153 KB with K > 64 and 128 value
@@ -3768,7 +3770,7 @@ static const kda__kdesc *kda__fused_wanted(kda_context *ctx, const kda_problem *
             if (kda__fused_sibling(o, k) && o->bv == bv) k = o;
         }
     }
-    optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
+    optin = kda__optin(ctx);
     ctx->err[0] = 0; /* a missing variant is not an error here: the staged path runs */
     if (k && optin > 0 && k->smem > optin && !getenv("KDA_FUSED_BV")) { /* a sibling that fits */
         int i;
@@ -3932,7 +3934,7 @@ static long long kda__fz_run(const long long *len, long long np, const int *f, c
 #define KDA__PAIR_COST 0.87
 static const kda__kdesc *kda__fused_pairs(kda_context *ctx, const kda__kdesc *k, const kda_problem *p, int trans) {
     const kda__kdesc *kp = kda__fused_pairs_of(ctx, k);
-    const int optin = ctx->dev && ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
+    const int optin = kda__optin(ctx);
     if (!kp || !ctx->dev || !ctx->dev->pairs || !ctx->dev->pairs(ctx) || !kda__fused_even(k, p, trans)) return NULL;
     return (optin <= 0 || kp->smem <= optin) && kda__env_int("KDA_FUSED_PAIRS", 1) > 0 ? kp : NULL;
 }
@@ -4333,7 +4335,7 @@ static kda_status kda__fused_best(kda_context *ctx, const kda_problem *p, const 
                                   long long nseq, long long cap, long long warm, int fx, kda__fz_plan *pl, const kda__kdesc **best) {
     kda__fz_plan o_pl;
     kda_status st;
-    int i, optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
+    int i, optin = kda__optin(ctx);
     *best = kf;
     if ((st = kda__fused_plan(ctx, p, kf, len, nseq, cap, warm, fx, pl))) return st;
     pl->time *= kda__fused_chunk_cost(ctx, kf, p);
@@ -4445,7 +4447,7 @@ static const kda__kdesc *kda__fused_memo(kda_context *ctx, const kda_problem *p,
     long long *keep;
     memset(&key, 0, sizeof key); /* (no padding: compared whole) */
     key.asked = kf, key.N = nseq, key.HV = p->HV, key.K = p->K, key.V = p->V, key.varlen = p->num_seqs > 0;
-    key.warm = warm, key.cap = cap, key.optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0;
+    key.warm = warm, key.cap = cap, key.optin = kda__optin(ctx);
     key.segments = es ? (strcmp(es, "columns") ? atoll(es) : -2) : -1, key.bv = eb ? atoll(eb) : -1, key.pairs = kda__env_int("KDA_FUSED_PAIRS", 1);
     key.lead = getenv("KDA_LEAD") ? atoll(getenv("KDA_LEAD")) : -1;
     key.fx = fx;
@@ -4652,7 +4654,7 @@ static kda_status kda__fused_fwd(kda_context *ctx, kda__cpu *c, const kda_proble
                * first copies), so a second round of blocks with half the tiles each is slower
                * (B1 T8192 H32: 0.97 waves 40 us, 1.94 waves 47; B1 T65536 H16: 190 and 194;
                * H200, 2026-11-30, bench/RESULTS.md). */
-        const int optin = ctx->dev->smem_optin ? ctx->dev->smem_optin(ctx) : 0, per_sm = optin > 0 ? (optin + 1024) / (kx->smem + 1024) : 3;
+        const int optin = kda__optin(ctx), per_sm = optin > 0 ? (optin + 1024) / (kx->smem + 1024) : 3;
         const long long nxb = (p->V + 63) / 64, work = (pe.np - N) * p->HV * nxb, fit = (long long)(per_sm > 1 ? per_sm : 1) * kda__sms(ctx);
         const long long shares = work < fit ? (fit / work < 64 ? fit / work : 64) : 1;
         grid[0] = (unsigned)(nxb * p->HV * pe.np * shares); grid[1] = grid[2] = 1u;
