@@ -79,10 +79,13 @@ else
     fail=$((fail + 1)); echo "FAIL: compute-sanitizer not found"
 fi
 dev=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n 1)
+# the commit, and whether the tracked files differ from it (a copy of a working tree, as a
+# remote GPU machine gets, may carry an older .git); KDA_COMMIT names it instead
+commit=${KDA_COMMIT:-$(c=$(git rev-parse --short HEAD 2>/dev/null) && { git diff --quiet HEAD -- 2>/dev/null && echo "$c" || echo "$c with uncommitted changes"; } || echo unknown)}
 {
     echo "# GPU test results"
     echo
-    echo "Device: ${dev:-unknown}. Date: $(date -u +%Y-%m-%d). Commit: ${KDA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}."
+    echo "Device: ${dev:-unknown}. Date: $(date -u +%Y-%m-%d). Commit: $commit."
     echo "Command: \`${KDA_GPU_STEPS:+KDA_GPU_STEPS=\"$KDA_GPU_STEPS\" }make test-gpu\` (tests/run_gpu_tests.sh)."
     echo
     echo "| what | command | result |"

@@ -41,6 +41,8 @@ check "the results file lists the seven steps" '[ "$(grep -c "^| [a-z]" "$b/GPU_
 out=$(KDA_GPU_STEPS="cases racecheck" runner); rc=$?
 check "KDA_GPU_STEPS runs only its steps" '[ $rc = 0 ] && [ "$(echo "$out" | tail -n 1)" = "12 passed, 0 failed" ] && ! echo "$out" | grep -q memcheck'
 check "and the results file names them" 'grep -q "KDA_GPU_STEPS=\"cases racecheck\" make test-gpu" "$b/GPU_RESULTS.md"'
+KDA_COMMIT=abc1234 runner > /dev/null
+check "KDA_COMMIT names the commit in the results file" 'grep -q "Commit: abc1234\." "$b/GPU_RESULTS.md"'
 out=$(KDA_GPU_STEPS="cases racechek" runner); rc=$?
 check "an unknown step is an error" '[ $rc = 2 ] && echo "$out" | grep -q "no step .racechek."'
 out=$(STUB_test_props_gpu=fail runner); rc=$?
