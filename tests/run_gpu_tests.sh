@@ -2,7 +2,7 @@
 # The GPU tests (make test-gpu). Without a GPU: says so and exits 0. Ends with
 # "N passed, N failed" and writes BUILD/GPU_RESULTS.md (device, date, commands, counts).
 # KDA_GPU_STEPS="racecheck memcheck ..." runs only those steps (of: kernels generic props
-# stress cases memcheck racecheck; default all): the whole takes about 10 minutes on an
+# stress cases memcheck racecheck; default all): the whole takes about 13 minutes on an
 # H200, so a session with shorter calls can run it in two parts.
 set -u
 build=${1:-build}
