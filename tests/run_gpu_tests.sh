@@ -68,8 +68,9 @@ elif [ -n "$san" ]; then
     want memcheck && run "compute-sanitizer memcheck" "$san" --tool memcheck --error-exitcode 9 "$build/test_gpu" --quick
     # racecheck leaves out fwd_fused: its factor warps hand buffers to the state warps
     # with bar.arrive -> bar.sync (a producer/consumer pattern the PTX ISA documents),
-    # which racecheck does not model; it reports every such write/read pair as a
-    # hazard. make test-race checks the kernel for races instead (the emulator under
+    # and a factor group's warps share a chunk through the group's own bar.sync of 128
+    # threads; racecheck models neither and reports every such write/read pair as a
+    # hazard (tests/GPU_RESULTS.md). make test-race checks the kernel for races instead (the emulator under
     # ThreadSanitizer, in CI); memcheck above covers its accesses. Its pairs kernels
     # (Hopper clusters) stay off here: racecheck fails on a kernel that copies into another
     # block's shared memory and is left out of its checks (tests/cluster_racecheck_probe.cu
