@@ -8,16 +8,21 @@ cases=${KDA_CASES:-../shared/cases}
 pass=0; fail=0
 ok()  { pass=$((pass + 1)); }
 bad() { fail=$((fail + 1)); echo "FAIL: $*"; }
-# a test script that ends with "N passed, N failed": its counts added, its FAIL lines shown
-script() {
-    local out line p f
-    out=$("$@" 2>&1)
+# counted NAME COMMAND...: a test program or script that ends with "N passed, N failed": its
+# counts added, its FAIL lines shown; no count line, or a failing exit without a failed
+# check, fails
+counted() {
+    local name=$1 out line p f rc
+    shift
+    out=$("$@" 2>&1); rc=$?
     echo "$out" | grep -E '^FAIL' || true
     line=$(echo "$out" | tail -n 1)
-    echo "$(basename "$1" .sh): $line"
+    echo "$name: $line"
     p=$(echo "$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\1/p')
     f=$(echo "$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\2/p')
-    if [ -z "$p" ]; then bad "$1 did not finish"; echo "$out" | tail -n 20; else pass=$((pass + p)); fail=$((fail + f)); fi
+    if [ -z "$p" ]; then bad "$name did not finish (exit $rc)"; echo "$out" | tail -n 20; return; fi
+    pass=$((pass + p)); fail=$((fail + f))
+    [ "$rc" -eq 0 ] || [ "$f" -gt 0 ] || bad "$name exit $rc"
 }
 
 # 1. The header alone: C++ and clang builds, single-threaded build, no warnings.
@@ -38,25 +43,17 @@ fi
 # 2. Unit and property programs: each prints "N passed, N failed" last. test_gpu_stages
 #    runs every CUDA kernel on the CPU emulator against its CPU twin.
 for t in test_props test_stages test_errors test_gpu_stages; do
-    out=$("$build/$t" 2>&1); rc=$?
-    echo "$out" | grep -E '^FAIL' || true
-    line=$(echo "$out" | tail -n 1)
-    echo "$t: $line"
-    p=$(echo "$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\1/p')
-    f=$(echo "$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\2/p')
-    if [ -z "$p" ]; then bad "$t crashed (exit $rc)"; echo "$out" | tail -n 20; continue; fi
-    pass=$((pass + p)); fail=$((fail + f))
-    [ "$rc" -eq 0 ] || [ "$f" -gt 0 ] || bad "$t exit $rc"
+    counted "$t" "$build/$t"
 done
 
 # 3. The kernel loading path (cache, AOT, embedded cubins, generator) without a GPU.
 if [ -z "${KDA_QUICK:-}" ]; then
-    script tests/test_jit.sh "$build"
+    counted test_jit tests/test_jit.sh "$build"
 fi
 
 # 3b. make test-gpu's runner (tests/run_gpu_tests.sh), with stand-in programs: its counts,
 #     exit status, step selection and no-GPU exit.
-script tests/test_gpu_runner.sh
+counted test_gpu_runner tests/test_gpu_runner.sh
 
 # 4. bench/compare_fla.py's ctypes mirrors of kda.h's structs and its inputs (the softplus
 #    gate's A_log and dt_bias among them), through the CPU backend against numpy: what the
